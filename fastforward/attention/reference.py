@@ -1,0 +1,94 @@
+"""The plain-torch paged attention backend: always right, used as the reference for faster
+paths. Vectorised over the batch (no Python loop over sequences or tokens): the block tables
+gather each sequence's keys into a padded ``[B, max_seq_len]`` layout, a boolean mask encodes
+causality, padding and sliding windows, and ``scaled_dot_product_attention`` does the rest."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
+
+
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store new K/V ``[T, KVH, D]`` into ``kv_cache [2, num_blocks, block_size, KVH, D]``."""
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+
+
+def _pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, H, D] -> [B, max_q, H, D] and the flat index of every padded row (-1 = padding)."""
+    b, max_q = meta.num_seqs, meta.max_query_len
+    rows = torch.arange(max_q, device=q.device).expand(b, max_q)
+    valid = rows < meta.query_lens[:, None]
+    index = torch.where(valid, meta.query_start_loc[:-1, None] + rows, -1)
+    padded = q[index.clamp(min=0)]
+    return padded, index
+
+
+def _mask(meta: AttentionMetadata, window: int | None, device: torch.device) -> torch.Tensor:
+    """[B, max_q, max_kv] True where query row i of sequence b may see key position j."""
+    b, max_q, max_kv = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+    rows = torch.arange(max_q, device=device)
+    q_pos = (meta.seq_lens - meta.query_lens)[:, None] + rows  # [B, max_q]
+    k_pos = torch.arange(max_kv, device=device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+    # Padding rows see key 0 so softmax stays finite; their outputs are dropped.
+    pad_rows = rows[None, :] >= meta.query_lens[:, None]
+    mask[..., 0] |= pad_rows
+    return mask.expand(b, max_q, max_kv)
+
+
+def _gather_kv(
+    kv_cache: torch.Tensor, group: GroupMetadata, max_seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of every sequence, [B, KVH, max_seq_len, D]."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-max_seq_len // block_size)
+    tables = group.block_tables[:, :num_blocks]
+    k = kv_cache[0][tables].flatten(1, 2)[:, :max_seq_len]  # [B, S, KVH, D]
+    v = kv_cache[1][tables].flatten(1, 2)[:, :max_seq_len]
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    group: GroupMetadata,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of new queries ``q [T, H, D]`` over the cached context -> ``[T, H, D]``."""
+    qp, index = _pad_queries(q, meta)
+    qp = qp.transpose(1, 2)  # [B, H, max_q, D]
+    k, v = _gather_kv(kv_cache, group, meta.max_seq_len)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    mask = _mask(meta, window, q.device)[:, None]  # [B, 1, max_q, max_kv]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:
+        out = _softcapped(qp, k, v, mask, scale, softcap)
+    out = out.transpose(1, 2)  # [B, max_q, H, D]
+    valid = index >= 0
+    result = torch.empty_like(q)
+    result[index[valid]] = out[valid]
+    return result
+
+
+def _softcapped(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v

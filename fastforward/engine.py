@@ -1,0 +1,298 @@
+"""The engine loop: the one owner of the model, the KV cache and the scheduler.
+
+``step()`` = schedule -> run the model on the flat batch -> sample -> update the scheduler ->
+detokenize and check stop strings -> outputs. Everything outside talks to it through
+``add_request`` / ``abort_request`` / ``step``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from fastforward.config import SchedulerConfig
+from fastforward.detokenizer import IncrementalDetokenizer
+from fastforward.hub import resolve_model
+from fastforward.kv.manager import KVCacheManager
+from fastforward.kv.spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVSpec,
+    SlidingWindowSpec,
+    make_kv_cache_config,
+)
+from fastforward.layers.sampler import Sampler
+from fastforward.loader.model_loader import load_model
+from fastforward.models.config import ModelConfig
+from fastforward.output_processor import OutputProcessor, ParentState, SequenceState
+from fastforward.outputs import RequestOutput
+from fastforward.request import Request, RequestStatus
+from fastforward.runner import ModelRunner
+from fastforward.sampling_params import SamplingParams
+from fastforward.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB, grown if max_model_len needs more
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class EngineArgs:
+    """Everything fixed at start-up. Names follow vLLM's engine arguments."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    download_progress: bool = True
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported (choose auto, {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def kv_specs(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> list[KVSpec]:
+    specs: list[KVSpec] = []
+    for i in range(cfg.num_hidden_layers):
+        window = cfg.window_of(i)
+        args = (block_size, cfg.num_key_value_heads, cfg.head_dim, dtype)
+        specs.append(
+            SlidingWindowSpec(*args, sliding_window=window) if window else FullAttentionSpec(*args)
+        )
+    return specs
+
+
+class LLMEngine:
+    """Loads a model and serves requests step by step."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = resolve_dtype(args.dtype)
+        path = resolve_model(args.model, progress=args.download_progress)
+        loaded = load_model(path, self.dtype, self.device)
+        self.model, self.model_config, self.tokenizer = (
+            loaded.model,
+            loaded.config,
+            loaded.tokenizer,
+        )
+        self.max_model_len = self._resolve_max_model_len(args.max_model_len)
+        self.kv_config = self._kv_config()
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len),
+            KVCacheManager(self.kv_config),
+        )
+        self.runner = ModelRunner(self.model, self.kv_config, self.device, self.dtype)
+        self.sampler = Sampler(seed=args.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.parents: dict[str, ParentState] = {}
+        self.seq_states: dict[str, SequenceState] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _resolve_max_model_len(self, requested: int | None) -> int:
+        limit = self.model_config.max_position_embeddings
+        if requested is None:
+            return limit
+        if requested < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {requested}")
+        if requested > limit:
+            raise ValueError(f"max_model_len={requested} exceeds the model's context of {limit}")
+        return requested
+
+    def _kv_config(self) -> KVCacheConfig:
+        specs = kv_specs(self.model_config, self.args.block_size, self.dtype)
+        if self.args.num_kv_blocks is not None:
+            cfg = make_kv_cache_config(specs, num_blocks=self.args.num_kv_blocks)
+        else:
+            budget = self.args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+            cfg = make_kv_cache_config(specs, memory_bytes=budget)
+            if self.args.kv_cache_memory_bytes is None and cfg.capacity_tokens < self.max_model_len:
+                blocks = 1 + len(cfg.groups) * -(-self.max_model_len // self.args.block_size)
+                cfg = make_kv_cache_config(specs, num_blocks=blocks)
+        if cfg.capacity_tokens < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {cfg.capacity_tokens} tokens per sequence, less than "
+                f"max_model_len={self.max_model_len}: give it more memory or lower max_model_len"
+            )
+        return cfg
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and enqueue a request; returns its id. Raises ``ValueError`` on bad input."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling params must be a SamplingParams")
+        params.validate()
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        parent = ParentState(request_id, prompt_text, prompt_ids)
+        for i in range(params.n):
+            parent.sequences.append(self._make_sequence(parent, i, params))
+        self.parents[request_id] = parent
+        for seq in parent.sequences:
+            self.seq_states[seq.request.request_id] = seq
+            self.scheduler.add_request(seq.request)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, list | tuple):
+            ids, text = list(prompt), None
+            vocab = self.model_config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        else:
+            raise ValueError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens, but the model's context (max_model_len) is "
+                f"{self.max_model_len} tokens and at least one token must be generated"
+            )
+        return text, ids
+
+    def _make_sequence(
+        self, parent: ParentState, index: int, params: SamplingParams
+    ) -> SequenceState:
+        child_params = self._child_params(params, index)
+        room = self.max_model_len - len(parent.prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        rid = parent.request_id if params.n == 1 else f"{parent.request_id}#{index}"
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(parent.prompt_token_ids),
+            sampling_params=child_params,
+            eos_token_id=self.tokenizer.eos_token_id,
+            max_tokens=max_tokens,
+        )
+        detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, child_params)
+        logprobs = [] if params.logprobs is not None else None
+        return SequenceState(req, detok, logprobs=logprobs)
+
+    def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
+        # Other end-of-turn tokens of the model stop generation too (as generation_config does).
+        extra_eos = sorted(self.tokenizer.eos_token_ids - {self.tokenizer.eos_token_id})
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids += [t for t in extra_eos if t not in stop_ids]
+        seed = None if params.seed is None else params.seed + index
+        return replace(params, n=1, seed=seed, stop_token_ids=stop_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return
+        ids = [s.request.request_id for s in parent.sequences]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
+            self.seq_states.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns outputs of requests that progressed."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        try:
+            result = self.runner.execute(sched)
+            sampled = self.sampler(result.logits, result.requests)
+        except Exception as e:  # never leave requests hanging on a failed step
+            logger.exception("engine step failed")
+            return self._fail([s.request for s in sched.scheduled], f"engine error: {e}")
+        by_id = {r.request_id: tok for r, tok in zip(result.requests, sampled, strict=True)}
+        updated = self.scheduler.update(sched, {rid: t.token_id for rid, t in by_id.items()})
+        touched: dict[str, ParentState] = {}
+        for req in updated:
+            seq = self.seq_states[req.request_id]
+            if req.request_id in by_id:
+                self.output_processor.record_logprobs(seq, by_id[req.request_id])
+            self._process_text(seq)
+            parent = self._parent_of(req.request_id)
+            touched[parent.request_id] = parent
+        return [self._emit(p) for p in touched.values()]
+
+    def _process_text(self, seq: SequenceState) -> None:
+        stop = self.output_processor.process(seq)
+        if stop is not None:
+            req = seq.request
+            if not req.is_finished:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = stop
+
+    def _parent_of(self, rid: str) -> ParentState:
+        return self.parents[rid.rsplit("#", 1)[0] if rid not in self.parents else rid]
+
+    def _emit(self, parent: ParentState) -> RequestOutput:
+        out = self.output_processor.make_output(parent)
+        if parent.finished:
+            self.parents.pop(parent.request_id, None)
+            for seq in parent.sequences:
+                self.seq_states.pop(seq.request.request_id, None)
+        return out
+
+    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
+        parents = {
+            self._parent_of(r.request_id).request_id: self._parent_of(r.request_id)
+            for r in requests
+        }
+        outs = []
+        for parent in parents.values():
+            parent.error = message
+            ids = [s.request.request_id for s in parent.sequences]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            outs.append(self._emit(parent))
+        return outs

@@ -1,0 +1,244 @@
+"""The ``fastforward`` command: pull, generate, chat."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+
+from fastforward.engine import EngineArgs
+from fastforward.hub import DEFAULT_MODEL, default_cache_dir
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        "-m",
+        default=DEFAULT_MODEL,
+        help="catalog name (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b; "
+        "pulled on first use), a .gguf file, or an HF model directory (default: %(default)s)",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="weight and activation dtype: auto (bfloat16 where the CPU has native bf16, "
+        "else float32), float32, bfloat16, float16 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length in tokens, prompt plus output (default: the model's own)",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=EngineArgs.max_num_seqs,
+        help="most sequences decoded together in one step (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=EngineArgs.max_num_batched_tokens,
+        help="token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineArgs.block_size,
+        help="tokens per KV cache block (default: %(default)s)",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory for the KV cache in GiB (default: 1 GiB, more if max-model-len needs it)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+
+
+def _sampling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="tokens to generate at most (default: %(default)s)",
+    )
+    g.add_argument(
+        "--temperature", "-t", type=float, default=0.0, help="0 = greedy (default: %(default)s)"
+    )
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max prob")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats")
+    g.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="in [-2, 2], OpenAI semantics"
+    )
+    g.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="in [-2, 2], OpenAI semantics"
+    )
+    g.add_argument(
+        "--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling"
+    )
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def _engine_args(ns: argparse.Namespace) -> EngineArgs:
+    memory = None if ns.kv_cache_memory is None else int(ns.kv_cache_memory * (1 << 30))
+    return EngineArgs(
+        model=ns.model,
+        dtype=ns.dtype,
+        max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        block_size=ns.block_size,
+        kv_cache_memory_bytes=memory,
+        seed=ns.seed,
+    )
+
+
+def _sampling_params(ns: argparse.Namespace):
+    from fastforward.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty,
+        presence_penalty=ns.presence_penalty,
+        frequency_penalty=ns.frequency_penalty,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
+        ignore_eos=ns.ignore_eos,
+    )
+
+
+def _make_llm(ns: argparse.Namespace):
+    from fastforward.entrypoints.llm import LLM
+
+    kwargs = asdict(_engine_args(ns))
+    return LLM(kwargs.pop("model"), **kwargs)
+
+
+def cmd_pull(ns: argparse.Namespace) -> int:
+    from fastforward.hub import pull
+
+    path = pull(ns.name, cache_dir=ns.cache_dir)
+    print(path)
+    return 0
+
+
+def _stream_to_stdout(llm, prompt, params) -> str:
+    printed = 0
+    text = ""
+    for out in llm.stream(prompt, params):
+        text = out.outputs[0].text
+        sys.stdout.write(text[printed:])
+        sys.stdout.flush()
+        printed = len(text)
+    sys.stdout.write("\n")
+    return text
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    llm = _make_llm(ns)
+    params = _sampling_params(ns)
+    if ns.chat_template:
+        tok = llm.get_tokenizer()
+        messages = [{"role": "user", "content": ns.prompt}]
+        prompt = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    else:
+        prompt = ns.prompt
+    if ns.no_stream:
+        print(llm.generate(prompt, params)[0].outputs[0].text)
+    else:
+        _stream_to_stdout(llm, prompt, params)
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    llm = _make_llm(ns)
+    params = _sampling_params(ns)
+    tok = llm.get_tokenizer()
+    history: list[dict[str, str]] = []
+    if ns.system:
+        history.append({"role": "system", "content": ns.system})
+    print(
+        "Chatting with",
+        ns.model,
+        "- empty line or Ctrl-D to quit, /reset to forget.",
+        file=sys.stderr,
+    )
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        if line == "/reset":
+            history = history[:1] if ns.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        ids = tok.encode(tok.apply_chat_template(history), add_special_tokens=False)
+        reply = _stream_to_stdout(llm, ids, params)
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fastforward",
+        description="fastforward: run LLMs fast on the hardware you have.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="download a model into the cache and verify it")
+    p.add_argument("name", help="catalog name, e.g. smollm2-135m")
+    p.add_argument(
+        "--cache-dir", default=None, help=f"cache directory (default: {default_cache_dir()})"
+    )
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="wrap the prompt as a user message in the model's chat template",
+    )
+    p.add_argument("--no-stream", action="store_true", help="print the whole text at the end")
+    _engine_options(p)
+    _sampling_options(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat in the terminal, streamed")
+    p.add_argument("--system", default=None, help="system prompt")
+    _engine_options(p)
+    _sampling_options(p)
+    p.set_defaults(func=cmd_chat, max_tokens=512)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = ns.func
+    try:
+        return func(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""Batched next-token sampling: penalties, temperature, min-p / top-k / top-p, seeds, logprobs.
+
+One vectorized pass over the batch. Per-request settings become per-row parameter tensors; the
+only per-request Python work is turning token lists into tensors (penalties, min_tokens) and
+creating one ``torch.Generator`` per *seeded* row.
+
+Order of operations (vLLM v1):
+
+1. ``raw_logprobs = log_softmax(logits)`` when any row asks for logprobs (raw model logits).
+2. Repetition penalty (prompt + output tokens), then frequency and presence penalties (output
+   tokens only).
+3. ``min_tokens``: EOS and ``stop_token_ids`` get ``-inf`` while fewer tokens were generated.
+4. Greedy rows (temperature ~ 0) take the argmax here and consume no randomness.
+5. Other rows: divide by temperature, mask with min-p, then top-k, then top-p (top-p sees the
+   distribution renormalized after min-p and top-k), and sample from ``softmax`` of the result
+   with the exponential race ``argmax(probs / E)``, ``E ~ Exp(1)``.
+
+Seeded rows draw ``E`` from a generator seeded from ``(seed, num_output_tokens)``, so the token
+depends only on the request, never on its batch row or neighbours, and recomputing a step after
+preemption gives the same token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastforward.request import Request
+
+# Temperatures below this are treated as greedy (dividing by them would overflow); as vLLM.
+_GREEDY_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """The token picked for one request, with its logprobs when the request asked for them."""
+
+    token_id: int
+    logprob: float | None = None  # of the sampled token, from the raw model logits
+    top_logprobs: list[tuple[int, float, int]] | None = None  # (token_id, logprob, rank 1-based)
+    rank: int | None = None  # of the sampled token: 1 + number of tokens with a greater logprob
+
+
+def _splitmix64(x: int) -> int:
+    """A well-mixed 64-bit hash (low bits matter: the CPU generator keeps only 32 of them)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """Seed of the generator a seeded request uses for its ``step``-th generated token."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+
+
+class Sampler:
+    """Picks one token per row of a ``[B, V]`` logits tensor; row ``i`` belongs to
+    ``requests[i]``. ``seed`` seeds the generator shared by unseeded rows."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._base_seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(
+                f"logits must be [len(requests), V], got {tuple(logits.shape)} "
+                f"for {len(requests)} requests"
+            )
+        if not requests:
+            return []
+        params = [r.sampling_params for r in requests]
+        logits = logits.to(torch.float32, copy=True)  # [B, V]; processed in place below
+
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+
+        apply_penalties(logits, requests)
+        apply_min_tokens(logits, requests)
+
+        tokens = self._sample(logits, requests)  # [B] int64
+        return _build_outputs(tokens, raw_logprobs, requests)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Greedy rows: argmax. Random rows: temperature, filters and the exponential race."""
+        tokens = logits.argmax(dim=-1)  # [B]
+        temps = [r.sampling_params.temperature for r in requests]
+        rows = [i for i, t in enumerate(temps) if t >= _GREEDY_EPS]
+        if not rows:
+            return tokens
+        device = logits.device
+        rand_reqs = [requests[i] for i in rows]
+        row_idx = torch.tensor(rows, device=device)  # [R]
+        sub = filter_logits(logits.index_select(0, row_idx), rand_reqs)  # [R, V]
+        probs = torch.softmax(sub, dim=-1)  # [R, V]
+        noise = self._exponential_noise(rand_reqs, sub.shape[1], device)  # [R, V]
+        tokens[row_idx] = probs.div_(noise).argmax(dim=-1)
+        return tokens
+
+    def _exponential_noise(
+        self, requests: list[Request], vocab: int, device: torch.device
+    ) -> torch.Tensor:
+        """``[R, V]`` Exp(1) noise: seeded rows from their own generator, the rest shared."""
+        noise = torch.empty(len(requests), vocab, device=device)  # [R, V]
+        seeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is not None]
+        unseeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
+        if not seeded:
+            noise.exponential_(generator=self._shared_generator(device))
+        elif unseeded:
+            shared = torch.empty(len(unseeded), vocab, device=device)
+            shared.exponential_(generator=self._shared_generator(device))
+            noise[torch.tensor(unseeded, device=device)] = shared
+        for i in seeded:
+            req = requests[i]
+            gen = torch.Generator(device=device)
+            gen.manual_seed(step_seed(req.sampling_params.seed, req.num_output_tokens))
+            noise[i].exponential_(generator=gen)
+        # Exp(1) draws of exactly 0 would make 0/0 = NaN (argmax picks NaN) for masked tokens.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator | None:
+        """Generator for unseeded rows; ``None`` (torch's global RNG) without a base seed."""
+        if self._base_seed is None:
+            return None
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self._base_seed)
+            self._generators[device] = gen
+        return gen
+
+
+# ----------------------------------------------------------------------------- logits processors
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """In place on ``logits`` [B, V]: repetition penalty over prompt + output tokens (positive
+    logits divided, negative multiplied), then ``logit -= freq * count + presence * (count > 0)``
+    over output tokens. Only rows with a non-neutral penalty are touched."""
+    rows = [
+        i
+        for i, r in enumerate(requests)
+        if r.sampling_params.repetition_penalty != 1.0
+        or r.sampling_params.frequency_penalty != 0.0
+        or r.sampling_params.presence_penalty != 0.0
+    ]
+    if not rows:
+        return
+    device = logits.device
+    reqs = [requests[i] for i in rows]
+    row_idx = torch.tensor(rows, device=device)  # [R]
+    sub = logits.index_select(0, row_idx)  # [R, V]
+    counts = _token_counts(reqs, [r.output_token_ids for r in reqs], sub.shape[1], device)
+
+    rep = _param_tensor(reqs, "repetition_penalty", device).unsqueeze(1)  # [R, 1]
+    if bool((rep != 1.0).any()):
+        prompt_counts = _token_counts(
+            reqs, [r.prompt_token_ids for r in reqs], sub.shape[1], device
+        )
+        seen = (prompt_counts > 0) | (counts > 0)  # [R, V]
+        penalized = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalized, sub)
+
+    freq = _param_tensor(reqs, "frequency_penalty", device).unsqueeze(1)  # [R, 1]
+    presence = _param_tensor(reqs, "presence_penalty", device).unsqueeze(1)  # [R, 1]
+    sub -= freq * counts + presence * (counts > 0).to(sub.dtype)
+    logits[row_idx] = sub
+
+
+def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    """In place on ``logits`` [B, V]: ``-inf`` for EOS (unless ``ignore_eos``) and
+    ``stop_token_ids`` in rows that generated fewer than ``min_tokens`` tokens."""
+    row_ids: list[int] = []
+    tok_ids: list[int] = []
+    vocab = logits.shape[1]
+    for i, r in enumerate(requests):
+        p = r.sampling_params
+        if r.num_output_tokens >= p.min_tokens:
+            continue
+        stops = set(p.stop_token_ids)
+        if r.eos_token_id is not None and not p.ignore_eos:
+            stops.add(r.eos_token_id)
+        stops = [t for t in stops if 0 <= t < vocab]
+        row_ids.extend([i] * len(stops))
+        tok_ids.extend(stops)
+    if row_ids:
+        device = logits.device
+        logits[torch.tensor(row_ids, device=device), torch.tensor(tok_ids, device=device)] = float(
+            "-inf"
+        )
+
+
+def filter_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Temperature, then min-p, top-k, top-p, in place on ``logits`` [R, V] of non-greedy rows
+    (penalties already applied). Tokens are sampled from ``softmax`` of the result."""
+    device = logits.device
+    logits.div_(_param_tensor(requests, "temperature", device).unsqueeze(1))
+    apply_min_p(logits, _param_tensor(requests, "min_p", device))
+    top_k = _top_k_tensor(requests, logits.shape[1], device)
+    apply_top_k_top_p(logits, top_k, _top_p(requests, device))
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """In place on ``logits`` [R, V] (already temperature-scaled): ``-inf`` where
+    ``prob < min_p * max_prob``. ``min_p`` is [R]; 0 disables it for that row."""
+    if not bool((min_p > 0).any()):
+        return
+    probs = torch.softmax(logits, dim=-1)  # [R, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [R, 1]
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> None:
+    """In place on ``logits`` [R, V]. ``top_k`` [R] (int, ``V`` = off) keeps the tokens whose
+    logit is >= the k-th largest (ties kept). Then ``top_p`` [R] (float, 1.0 = off) keeps the
+    smallest set of most likely tokens whose probability, renormalized after top-k and any
+    earlier mask, reaches ``top_p``; the most likely token is always kept."""
+    if top_p is None:
+        if top_k is not None:
+            _apply_top_k_only(logits, top_k)
+        return
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1)  # ascending, [R, V]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k).clamp(0, vocab - 1).unsqueeze(1))  # [R, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)  # [R, V] ascending mass
+        drop = cum <= (1.0 - top_p).unsqueeze(1)  # [R, V]
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    logits.scatter_(1, order, sorted_logits)
+
+
+def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> None:
+    """Top-k without a full sort (much cheaper than sorting the vocabulary when k is small)."""
+    vocab = logits.shape[1]
+    on = top_k < vocab  # [R]
+    max_k = int(top_k.masked_fill(~on, 1).max())
+    top_values = logits.topk(max_k, dim=-1).values  # [R, max_k], descending
+    kth = top_values.gather(1, (top_k.clamp(1, max_k) - 1).unsqueeze(1))  # [R, 1]
+    kth.masked_fill_(~on.unsqueeze(1), float("-inf"))
+    logits.masked_fill_(logits < kth, float("-inf"))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _param_tensor(requests: list[Request], name: str, device: torch.device) -> torch.Tensor:
+    """[R] float32 tensor of one ``SamplingParams`` field."""
+    return torch.tensor(
+        [float(getattr(r.sampling_params, name)) for r in requests],
+        dtype=torch.float32,
+        device=device,
+    )
+
+
+def _top_k_tensor(requests: list[Request], vocab: int, device: torch.device) -> torch.Tensor | None:
+    """[R] int64 top-k per row (``vocab`` where off), or None when no row uses top-k."""
+    ks = [r.sampling_params.top_k for r in requests]
+    if not any(0 < k < vocab for k in ks):
+        return None
+    return torch.tensor([k if 0 < k < vocab else vocab for k in ks], device=device)
+
+
+def _top_p(requests: list[Request], device: torch.device) -> torch.Tensor | None:
+    """[R] float32 top-p per row, or None when no row uses top-p."""
+    ps = [r.sampling_params.top_p for r in requests]
+    if all(p >= 1.0 for p in ps):
+        return None
+    return torch.tensor(ps, dtype=torch.float32, device=device)
+
+
+def _token_counts(
+    requests: list[Request], token_lists: list[list[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """[R, V] float32 count of each token id in each row's token list."""
+    counts = torch.zeros(len(requests), vocab, dtype=torch.float32, device=device)
+    lengths = [len(t) for t in token_lists]
+    if sum(lengths) == 0:
+        return counts
+    flat = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.int64)  # [N]
+    rows = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(lengths))  # [N]
+    keep = (flat >= 0) & (flat < vocab)  # ids outside the vocab (padding, images) are ignored
+    flat, rows = flat[keep].to(device), rows[keep].to(device)
+    counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+def _build_outputs(
+    tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, requests: list[Request]
+) -> list[SampledToken]:
+    """One ``SampledToken`` per row; logprobs (vLLM semantics) for the rows that asked."""
+    token_list = tokens.tolist()
+    out = [SampledToken(token_id=t) for t in token_list]
+    if raw_logprobs is None:
+        return out
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    device = raw_logprobs.device
+    row_idx = torch.tensor(rows, device=device)  # [L]
+    lp = raw_logprobs.index_select(0, row_idx)  # [L, V]
+    sampled_lp = lp.gather(1, tokens.index_select(0, row_idx).unsqueeze(1))  # [L, 1]
+    ranks = (lp > sampled_lp).sum(dim=-1) + 1  # [L]
+    num_top = max(requests[i].sampling_params.logprobs for i in rows)
+    top_lp, top_ids = lp.topk(min(num_top, lp.shape[1]), dim=-1)  # [L, N]
+    sampled_list, rank_list = sampled_lp.squeeze(1).tolist(), ranks.tolist()
+    top_lp_list, top_id_list = top_lp.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = requests[i].sampling_params.logprobs
+        out[i].logprob = sampled_list[j]
+        out[i].rank = rank_list[j]
+        out[i].top_logprobs = [
+            (top_id_list[j][k], top_lp_list[j][k], k + 1)
+            for k in range(min(n, len(top_id_list[j])))
+        ]
+    return out

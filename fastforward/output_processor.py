@@ -1,0 +1,104 @@
+"""Turns engine-side request state into user-facing ``RequestOutput``s: incremental text, stop
+strings, logprobs, and the fan-in of ``n > 1`` child sequences into one output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastforward.loader.tokenizer import Tokenizer
+
+from fastforward.detokenizer import IncrementalDetokenizer
+from fastforward.layers.sampler import SampledToken
+from fastforward.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from fastforward.request import Request
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """Output-side state of one generated sequence (one child of a request)."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    text: str = ""  # released text only grows, so streaming deltas are suffixes of it
+    num_processed: int = 0  # output tokens already fed to the detokenizer
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(slots=True)
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[SequenceState] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.sequences)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def record_logprobs(self, seq: SequenceState, sampled: SampledToken) -> None:
+        """Keep the logprobs of one sampled token (when the request asked for them)."""
+        if seq.logprobs is None or sampled.logprob is None:
+            return
+        entry = {}
+        for token_id, logprob, rank in sampled.top_logprobs or []:
+            entry[token_id] = Logprob(logprob, rank, self._piece(token_id))
+        if sampled.token_id not in entry:
+            piece = self._piece(sampled.token_id)
+            entry[sampled.token_id] = Logprob(sampled.logprob, sampled.rank, piece)
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += sampled.logprob
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def process(self, seq: SequenceState) -> str | None:
+        """Feed new tokens to the detokenizer; returns a stop string if one was hit."""
+        req = seq.request
+        new = req.output_token_ids[seq.num_processed :]
+        seq.num_processed = len(req.output_token_ids)
+        stop = seq.detokenizer.update(new) if new else None
+        final = stop is not None or req.is_finished
+        seq.text += seq.detokenizer.take_delta(final=final)
+        return stop
+
+    def make_output(self, parent: ParentState) -> RequestOutput:
+        outputs = [self._completion(i, s) for i, s in enumerate(parent.sequences)]
+        first = parent.sequences[0].request
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            finished_time=first.finished_time if parent.finished else None,
+            num_preemptions=sum(s.request.num_preemptions for s in parent.sequences),
+        )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outputs,
+            finished=parent.finished,
+            metrics=metrics,
+            num_cached_tokens=first.num_cached_tokens,
+            error=parent.error,
+        )
+
+    @staticmethod
+    def _completion(index: int, seq: SequenceState) -> CompletionOutput:
+        req = seq.request
+        finish = req.status.value if req.is_finished else None
+        return CompletionOutput(
+            index=index,
+            text=seq.text,
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            finish_reason=finish,
+            stop_reason=req.stop_reason,
+        )

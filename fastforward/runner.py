@@ -1,0 +1,115 @@
+"""The model runner: turns a ``SchedulerOutput`` into tensors, runs the model over the flat
+batch, and returns the logits of the tokens that need sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
+from fastforward.kv.spec import KVCacheConfig
+from fastforward.request import Request
+from fastforward.scheduler_output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class BatchInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] rows of the flat batch whose next token is sampled
+    sample_requests: list[Request]
+
+
+@dataclass(slots=True)
+class StepResult:
+    logits: torch.Tensor  # [S, vocab] float32
+    requests: list[Request]  # row i of logits belongs to requests[i]
+
+
+class ModelRunner:
+    """Owns the KV cache tensors and runs forward passes. One tensor per KV slot, shared by
+    one layer of every group: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_config: KVCacheConfig,
+        device: torch.device,
+        kv_dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.kv_config = kv_config
+        self.device = device
+        spec = kv_config.groups[0].spec
+        shape = (2, kv_config.num_blocks, kv_config.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(kv_config.num_slots)
+        ]
+        self._bind_kv_caches()
+
+    def _bind_kv_caches(self) -> None:
+        layers = self.model.attention_layers()
+        for idx, attn in enumerate(layers):
+            group, slot = self.kv_config.layer_location(idx)
+            attn.kv_cache = self.kv_caches[slot]
+            attn.group = group
+
+    def prepare(self, sched: SchedulerOutput) -> BatchInputs:
+        """Flatten the scheduled chunks of all requests into one batch."""
+        starts = np.array([s.start for s in sched.scheduled], dtype=np.int64)
+        lens = np.array([s.num_new_tokens for s in sched.scheduled], dtype=np.int64)
+        tokens = np.concatenate(
+            [s.request.all_token_ids[s.start : s.start + s.num_new_tokens] for s in sched.scheduled]
+        )
+        seq_of_token = np.repeat(np.arange(len(lens)), lens)
+        query_start = np.concatenate([[0], np.cumsum(lens)])
+        positions = starts[seq_of_token] + (np.arange(len(tokens)) - query_start[seq_of_token])
+        seq_lens = starts + lens
+        groups = [
+            self._group_metadata(sched, g, seq_of_token, positions)
+            for g in range(len(self.kv_config.groups))
+        ]
+        to = self._tensor
+        meta = AttentionMetadata(
+            query_start_loc=to(query_start),
+            query_lens=to(lens),
+            seq_lens=to(seq_lens),
+            max_query_len=int(lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=self.kv_config.block_size,
+            groups=groups,
+        )
+        sample_rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
+        return BatchInputs(
+            input_ids=to(tokens),
+            positions=to(positions),
+            meta=meta,
+            logits_indices=to(query_start[1:][sample_rows] - 1),
+            sample_requests=[sched.scheduled[i].request for i in sample_rows],
+        )
+
+    def _group_metadata(
+        self, sched: SchedulerOutput, group: int, seq_of_token: np.ndarray, positions: np.ndarray
+    ) -> GroupMetadata:
+        tables = [s.block_ids[group] for s in sched.scheduled]
+        width = max(len(t) for t in tables)
+        table = np.zeros((len(tables), width), dtype=np.int64)  # padded with null block 0
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        bs = self.kv_config.block_size
+        slots = table[seq_of_token, positions // bs] * bs + positions % bs
+        return GroupMetadata(block_tables=self._tensor(table), slot_mapping=self._tensor(slots))
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        batch = self.prepare(sched)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return StepResult(logits=logits.float(), requests=batch.sample_requests)

@@ -1,0 +1,81 @@
+"""Per-request sampling settings, named and validated as in vLLM's ``SamplingParams``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# A bound on max_tokens that catches typos (1e9) without limiting real use; the engine
+# additionally caps generation at the model's context length.
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick the next tokens and when to stop. Field names follow vLLM."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to return per generated token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field."""
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens is not None and self.max_tokens > MAX_TOKENS_LIMIT:
+            raise ValueError(
+                f"max_tokens={self.max_tokens} is absurd (limit {MAX_TOKENS_LIMIT}); "
+                "use max_tokens=None to generate until the context is full"
+            )
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

