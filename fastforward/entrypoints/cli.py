@@ -193,12 +193,58 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from fastforward.server.serve import ServeArgs, serve
+
+    if ns.model_pos:
+        ns.model = ns.model_pos
+    args = ServeArgs(
+        host=ns.host,
+        port=ns.port,
+        api_key=ns.api_key,
+        served_model_name=ns.served_model_name,
+        max_waiting=ns.max_waiting,
+        max_body_bytes=ns.max_body_bytes,
+        log_level=ns.log_level,
+    )
+    serve(_engine_args(ns), args)
+    return 0
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="start the OpenAI-compatible server and web playground")
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model to serve (same as --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument(
+        "--served-model-name", default=None, help="model id in the API (default: --model)"
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="waiting requests before 503 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="largest request body (default: %(default)s)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _engine_options(p)
+    p.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fastforward",
         description="fastforward: run LLMs fast on the hardware you have.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    _serve_parser(sub)
 
     p = sub.add_parser("pull", help="download a model into the cache and verify it")
     p.add_argument("name", help="catalog name, e.g. smollm2-135m")

@@ -53,6 +53,7 @@ _END_OF_GENERATION = (
     "_<EOT>",
     "<|end_of_text|>",
     "<end_of_utterance>",
+    "<｜end▁of▁sentence｜>",  # DeepSeek
 )
 
 # --- byte-level BPE pre-tokenizers -------------------------------------------------------------
@@ -78,9 +79,11 @@ _BYTE_LEVEL_SPLITS: dict[str, str] = {
     "default": _GPT2,
     "gpt2": _GPT2,
     "gpt-2": _GPT2,
+    "phi-2": _GPT2,
     "mpt": _GPT2,
     "olmo": _GPT2,
     "jais": _GPT2,
+    "exaone4": _GPT2,
     "starcoder": _DIGITS_THEN_GPT2,
     "refact": _DIGITS_THEN_GPT2,
     "command-r": _DIGITS_THEN_GPT2,
@@ -89,9 +92,10 @@ _BYTE_LEVEL_SPLITS: dict[str, str] = {
     "exaone": _DIGITS_THEN_GPT2,
     "minerva-7b": _DIGITS_THEN_GPT2,
     "qwen2": _QWEN2_SPLIT,
-    "stablelm2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "kormo": _QWEN2_SPLIT,
     "megrez": _QWEN2_SPLIT,
+    "stablelm2": _QWEN2_SPLIT,
     "llama3": _LLAMA3_SPLIT,
     "llama-v3": _LLAMA3_SPLIT,
     "llama-bpe": _LLAMA3_SPLIT,
@@ -100,6 +104,9 @@ _BYTE_LEVEL_SPLITS: dict[str, str] = {
     "dbrx": _LLAMA3_SPLIT,
     "smaug-bpe": _LLAMA3_SPLIT,
 }
+# Vocabularies whose BPE looks a whole word up in the vocabulary before merging (llama.cpp's
+# `ignore_merges`): Llama 3's merges do not reproduce all of its vocabulary.
+_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"}
 
 
 def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
@@ -240,6 +247,7 @@ def _byte_level_from_gguf(meta: Mapping[str, Any]) -> tokenizers.Tokenizer:
         continuing_subword_prefix="",
         end_of_word_suffix="",
         fuse_unk=False,
+        ignore_merges=meta.get("tokenizer.ggml.pre") in _IGNORE_MERGES,
     )
     tk = tokenizers.Tokenizer(model)
     tk.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
@@ -426,6 +434,7 @@ class Tokenizer:
             for i, t in enumerate(tokens)
             if t in _END_OF_GENERATION and (i >= len(types) or types[i] == _CONTROL)
         }
+        eog |= {i for i in (token_id("eot_token_id"), token_id("eom_token_id")) if i is not None}
         return cls(
             backend,
             bos_token_id=bos,

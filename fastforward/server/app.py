@@ -1,0 +1,471 @@
+"""The FastAPI application: OpenAI-compatible routes, errors, metrics and the playground.
+
+Handlers only validate, tokenize, enqueue and stream; the engine thread does the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+
+from fastforward.outputs import RequestOutput
+from fastforward.sampling_params import SamplingParams
+from fastforward.server.async_engine import AsyncEngine, QueueFullError
+from fastforward.server.openai_api import (
+    APIError,
+    ChoiceState,
+    Usage,
+    chat_logprobs,
+    check_context,
+    completion_logprobs,
+    created,
+    new_id,
+    sampling_params,
+)
+from fastforward.server.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+STATIC = Path(__file__).parent / "static"
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    retry_after_s: int = 1
+
+
+class GuardMiddleware:
+    """API key and body size checks, as plain ASGI so streaming and disconnects pass through."""
+
+    def __init__(self, app, config: ServerConfig) -> None:
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        if self.config.api_key and headers.get("authorization") != f"Bearer {self.config.api_key}":
+            err = APIError("Invalid or missing API key", status=401)
+            return await _json(err.body(), 401)(scope, receive, send)
+        limit = self.config.max_body_bytes
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await _json(_too_large(limit).body(), 413)(scope, receive, send)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message]), send)
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                return await _json(_too_large(limit).body(), 413)(scope, receive, send)
+        first = {"type": "http.request", "body": bytes(body), "more_body": False}
+        return await self.app(scope, _replay([first], receive), send)
+
+
+def _replay(messages: list[dict], then=None):
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        if then is not None:
+            return await then()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"request body is larger than the limit of {limit} bytes", status=413)
+
+
+def _json(body: dict, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="fastforward", version="0.1.0")
+    api = OpenAIServing(engine, config)
+    _install_error_handlers(app, config)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return _json(
+            {"status": "ok" if engine.healthy else "error"}, 200 if engine.healthy else 503
+        )
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return api.models()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        return await api.completions(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request):
+        return await api.chat(req, raw)
+
+    return GuardMiddleware(app, config)  # type: ignore[return-value]
+
+
+def _install_error_handlers(app: FastAPI, config: ServerConfig) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        param = ".".join(loc) or None
+        message = (
+            f"{param}: {first.get('msg', 'invalid request')}"
+            if param
+            else first.get("msg", "invalid request")
+        )
+        return _json(APIError(message, param=param).body(), 400)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _json(exc.body(), exc.status)
+
+    @app.exception_handler(QueueFullError)
+    async def busy(_: Request, exc: QueueFullError) -> JSONResponse:
+        headers = {"Retry-After": str(config.retry_after_s)}
+        return _json(APIError(str(exc), status=503).body(), 503, headers)
+
+    @app.exception_handler(ValueError)
+    async def bad_value(_: Request, exc: ValueError) -> JSONResponse:
+        return _json(APIError(str(exc)).body(), 400)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled server error")
+        return _json(APIError(f"internal error: {exc}", status=500).body(), 500)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+
+    def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.config.served_model_name,
+            "object": "model",
+            "created": created(),
+            "owned_by": "fastforward",
+            "max_model_len": self.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    def _check_model(self, model: str | None) -> None:
+        if model and model != self.config.served_model_name:
+            raise APIError(
+                f"The model `{model}` does not exist (this server serves "
+                f"`{self.config.served_model_name}`)",
+                status=404,
+                param="model",
+            )
+
+    # ---- /v1/completions ---------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        self._check_model(req.model)
+        for name in ("echo", "suffix"):
+            if getattr(req, name):
+                raise APIError(f"{name} is not supported yet", param=name)
+        if req.best_of not in (None, 1, req.n):
+            raise APIError("best_of is not supported", param="best_of")
+        prompts = self._completion_prompts(req.prompt)
+        params = sampling_params(req, req.max_tokens, req.logprobs)
+        for _, ids in prompts:
+            check_context(len(ids), req.max_tokens, self.max_model_len)
+        rid = new_id("cmpl")
+        gens = [
+            self.engine.generate(ids, params, f"{rid}-{i}", text)
+            for i, (text, ids) in enumerate(prompts)
+        ]
+        if req.stream:
+            first = await _first_outputs(gens)
+            return StreamingResponse(
+                self._stream_completion(rid, req, params, gens, first),
+                media_type="text/event-stream",
+            )
+        finals = await _collect(gens, raw)
+        return self._completion_body(rid, req, params, finals)
+
+    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError("prompt is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                if not p:
+                    raise APIError("prompt is empty", param="prompt")
+                out.append((p, self.tokenizer.encode(p)))
+            else:
+                if not p:
+                    raise APIError("prompt is empty", param="prompt")
+                vocab = self.engine.engine.model_config.vocab_size
+                if any(t < 0 or t >= vocab for t in p):
+                    raise APIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+                out.append((None, list(p)))
+        return out
+
+    def _completion_body(
+        self, rid: str, req: CompletionRequest, params: SamplingParams, finals: list[RequestOutput]
+    ) -> dict[str, Any]:
+        choices, usage = [], Usage()
+        for i, out in enumerate(finals):
+            usage.add(out)
+            for c in out.outputs:
+                lp = completion_logprobs(c, 0, 0) if req.logprobs is not None else None
+                choices.append(
+                    {
+                        "index": i * params.n + c.index,
+                        "text": c.text,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created(),
+            "model": self.config.served_model_name,
+            "choices": choices,
+            "usage": usage.body(),
+        }
+
+    async def _stream_completion(self, rid, req, params, gens, first) -> AsyncIterator[str]:
+        states: dict[int, ChoiceState] = {}
+        usage = Usage()
+        base = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created(),
+            "model": self.config.served_model_name,
+        }
+        try:
+            async for i, out in _merge(gens, first):
+                for c in out.outputs:
+                    idx = i * params.n + c.index
+                    st = states.setdefault(idx, ChoiceState())
+                    if st.finished:
+                        continue
+                    delta = c.text[st.sent_text :]
+                    lp = None
+                    if req.logprobs is not None:
+                        lp = completion_logprobs(c, st.sent_tokens, st.sent_text)
+                    if delta or c.finish_reason or (lp and lp["tokens"]):
+                        choice = {
+                            "index": idx,
+                            "text": delta,
+                            "logprobs": lp,
+                            "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                        yield _sse({**base, "choices": [choice]})
+                    st.sent_text, st.sent_tokens = len(c.text), len(c.token_ids)
+                    st.finished = c.finish_reason is not None
+                if out.finished:
+                    usage.add(out)
+            if req.stream_options and req.stream_options.include_usage:
+                yield _sse({**base, "choices": [], "usage": usage.body()})
+        except Exception as e:  # noqa: BLE001 - reported to the client in-band
+            yield _sse(APIError(str(e), status=500).body())
+        yield "data: [DONE]\n\n"
+
+    # ---- /v1/chat/completions ----------------------------------------------------------
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self._check_model(req.model)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools
+            )
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        top = req.top_logprobs or 0
+        params = sampling_params(req, max_tokens, top if req.logprobs else None)
+        check_context(len(ids), max_tokens, self.max_model_len)
+        rid = new_id("chatcmpl")
+        gens = [self.engine.generate(ids, params, rid, text)]
+        if req.stream:
+            first = await _first_outputs(gens)
+            return StreamingResponse(
+                self._stream_chat(rid, req, params, gens, first), media_type="text/event-stream"
+            )
+        out = (await _collect(gens, raw))[0]
+        usage = Usage()
+        usage.add(out)
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c, 0, top) if req.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in out.outputs
+        ]
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created(),
+            "model": self.config.served_model_name,
+            "choices": choices,
+            "usage": usage.body(),
+        }
+
+    async def _stream_chat(self, rid, req, params, gens, first) -> AsyncIterator[str]:
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created(),
+            "model": self.config.served_model_name,
+        }
+        states = [ChoiceState() for _ in range(params.n)]
+        top = req.top_logprobs or 0
+        usage = Usage()
+        try:
+            for i in range(params.n):
+                role = {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                yield _sse({**base, "choices": [role]})
+            async for _, out in _merge(gens, first):
+                for c in out.outputs:
+                    st = states[c.index]
+                    if st.finished:
+                        continue
+                    delta = c.text[st.sent_text :]
+                    lp = chat_logprobs(c, st.sent_tokens, top) if req.logprobs else None
+                    if delta or c.finish_reason or (lp and lp["content"]):
+                        choice = {
+                            "index": c.index,
+                            "delta": {"content": delta} if delta else {},
+                            "logprobs": lp,
+                            "finish_reason": c.finish_reason,
+                        }
+                        yield _sse({**base, "choices": [choice]})
+                    st.sent_text, st.sent_tokens = len(c.text), len(c.token_ids)
+                    st.finished = c.finish_reason is not None
+                if out.finished:
+                    usage.add(out)
+            if req.stream_options and req.stream_options.include_usage:
+                yield _sse({**base, "choices": [], "usage": usage.body()})
+        except Exception as e:  # noqa: BLE001 - reported to the client in-band
+            yield _sse(APIError(str(e), status=500).body())
+        yield "data: [DONE]\n\n"
+
+
+# ---- driving several request generators ----------------------------------------------------
+
+
+async def _first_outputs(gens: list) -> list:
+    """Start every request now, so validation errors become HTTP errors before streaming."""
+    firsts = []
+    try:
+        for g in gens:
+            firsts.append(await g.__anext__())
+    except BaseException:
+        for g in gens:
+            await g.aclose()
+        raise
+    return firsts
+
+
+async def _merge(gens: list, firsts: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the outputs of several requests as they come; aborts all on early exit."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async for out in gen:
+                await queue.put((i, out))
+        except Exception as e:  # noqa: BLE001
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = []
+    for i, first in enumerate(firsts):
+        yield i, first
+        if not first.finished:
+            tasks.append(asyncio.create_task(pump(i, gens[i])))
+    live = len(tasks)
+    try:
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+
+
+async def _collect(gens: list, raw: Request) -> list[RequestOutput]:
+    """Run requests to completion; abort them if the client goes away meanwhile."""
+
+    async def last(gen) -> RequestOutput:
+        out = None
+        async for out in gen:  # noqa: B007 - we want the final output
+            pass
+        return out
+
+    tasks = [asyncio.create_task(last(g)) for g in gens]
+    try:
+        while True:
+            done, _ = await asyncio.wait(tasks, timeout=1.0)
+            if len(done) == len(tasks):
+                return [t.result() for t in tasks]
+            if await raw.is_disconnected():
+                raise asyncio.CancelledError
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
