@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
+
+from fastforward.loader.gguf_file import GGUFFile
 
 # architecture in GGUF -> (HF architecture, model_type)
 ARCHITECTURES = {
@@ -55,10 +56,8 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        try:
-            self.reader = GGUFReader(self.path)
-        except Exception as e:  # the reader fails in many ways on a damaged file
-            raise ValueError(f"{self.path}: corrupt or truncated GGUF file ({e})") from None
+        self.file = GGUFFile(self.path)
+        self.metadata = self.file.metadata
         self.arch = self.field("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise ValueError(
@@ -67,8 +66,7 @@ class GGUFCheckpoint:
             )
 
     def field(self, key: str, default: Any = None) -> Any:
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self.metadata.get(key, default)
 
     def arch_field(self, key: str, default: Any = None) -> Any:
         return self.field(f"{self.arch}.{key}", default)
@@ -76,14 +74,16 @@ class GGUFCheckpoint:
     def hf_config(self) -> dict[str, Any]:
         """The metadata as an HF ``config.json`` dict."""
         hf_arch, model_type = ARCHITECTURES[self.arch]
-        names = {t.name for t in self.reader.tensors}
+        names = set(self.file.tensors)
         heads = int(self.arch_field("attention.head_count"))
         hidden = int(self.arch_field("embedding_length"))
-        embd = next(t for t in self.reader.tensors if t.name == "token_embd.weight")
+        if "token_embd.weight" not in names:
+            raise ValueError(f"{self.path}: no token_embd.weight tensor")
+        embd = self.file.tensors["token_embd.weight"]
         cfg: dict[str, Any] = {
             "architectures": [hf_arch],
             "model_type": model_type,
-            "vocab_size": int(self.arch_field("vocab_size", int(embd.shape[-1]))),
+            "vocab_size": int(self.arch_field("vocab_size", embd.shape[0])),
             "hidden_size": hidden,
             "intermediate_size": int(self.arch_field("feed_forward_length")),
             "num_hidden_layers": int(self.arch_field("block_count")),
@@ -122,16 +122,15 @@ class GGUFCheckpoint:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named float32 tensors, dequantized one at a time."""
         cfg = self.hf_config()
-        for t in self.reader.tensors:
-            name = self._hf_name(t.name)
+        for info in self.file.tensors.values():
+            name = self._hf_name(info.name)
             if name is None:
                 continue
-            shape = [int(x) for x in reversed(t.shape)]
             try:
-                data = dequantize(t.data, t.tensor_type).reshape(shape)
+                data = dequantize(self.file.raw(info), info.qtype).reshape(info.shape)
             except Exception as e:
-                raise ValueError(f"{self.path}: cannot decode tensor {t.name} ({e})") from None
-            yield name, torch.from_numpy(self._undo_conversion(t.name, np.asarray(data), cfg))
+                raise ValueError(f"{self.path}: cannot decode tensor {info.name} ({e})") from None
+            yield name, torch.from_numpy(self._undo_conversion(info.name, data, cfg))
 
     def _hf_name(self, name: str) -> str | None:
         if name in _GLOBAL_NAMES:
@@ -151,7 +150,7 @@ class GGUFCheckpoint:
         return f"model.layers.{layer}.{hf}.{kind}"
 
     def _undo_conversion(self, name: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
-        w = w.astype(np.float32, copy=False)
+        w = np.array(w, dtype=np.float32)  # a writable copy: the mmap is read-only
         if self.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
             return _unpermute_rope(w, heads)

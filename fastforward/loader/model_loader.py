@@ -42,7 +42,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> Lo
     checkpoint, converting each tensor to ``dtype`` as it is copied in."""
     ckpt = open_checkpoint(path)
     config = model_config_from_dict(ckpt.hf_config())
-    tokenizer = load_tokenizer(path)
+    if isinstance(ckpt, GGUFCheckpoint):
+        tokenizer = Tokenizer.from_gguf(ckpt.metadata)
+    else:
+        tokenizer = Tokenizer.from_hf_dir(path)
     with torch.device("meta"):
         model = model_class(config)(config)
     model = model.to(dtype=dtype).to_empty(device=device)

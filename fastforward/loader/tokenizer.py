@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers.models import BPE
 
 from fastforward.loader.chat_template import render_chat_template
+from fastforward.loader.gguf_file import read_gguf_metadata
 
 __all__ = ["Tokenizer", "read_gguf_metadata"]
 
@@ -144,72 +143,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 # --- reading GGUF metadata ---------------------------------------------------------------------
-
-_GGUF_SCALARS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str | os.PathLike, prefix: str = "") -> dict[str, Any]:
-    """The key/value metadata of a GGUF file (keys starting with `prefix`), without its tensors.
-
-    `gguf.GGUFReader` parses every array element into numpy objects, which takes seconds for a
-    262k-token vocabulary (Gemma 3); this reads only the header, with plain `struct`.
-    """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path}: not a GGUF file")
-        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise ValueError(f"{path}: unsupported GGUF version {version}")
-        pos = 24
-        out: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key, pos = _read_string(buf, pos)
-            (vtype,) = struct.unpack_from("<I", buf, pos)
-            value, pos = _read_value(buf, pos + 4, vtype, keep=key.startswith(prefix))
-            if key.startswith(prefix):
-                out[key] = value
-        return out
-
-
-def _read_string(buf, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", buf, pos)
-    raw = buf[pos + 8 : pos + 8 + n]
-    return raw.decode("utf-8", errors="replace"), pos + 8 + n
-
-
-def _read_value(buf, pos: int, vtype: int, keep: bool = True) -> tuple[Any, int]:
-    if vtype == _GGUF_STRING:
-        return _read_string(buf, pos)
-    if vtype in _GGUF_SCALARS:
-        fmt = _GGUF_SCALARS[vtype]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-    if vtype == _GGUF_ARRAY:
-        item_type, n = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        if item_type in _GGUF_SCALARS:
-            fmt = _GGUF_SCALARS[item_type]
-            size = struct.calcsize(fmt)
-            values = list(struct.iter_unpack(fmt, buf[pos : pos + n * size])) if keep else []
-            return [v[0] for v in values], pos + n * size
-        items = []
-        for _ in range(n):
-            item, pos = _read_value(buf, pos, item_type, keep)
-            items.append(item)
-        return items, pos
-    raise ValueError(f"unknown GGUF value type {vtype}")
 
 
 def _metadata_from(source: Any) -> dict[str, Any]:
