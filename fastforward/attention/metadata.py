@@ -3,7 +3,9 @@ explicitly down the model (no global context)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +31,14 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     groups: list[GroupMetadata]
+    # Tensors derived from the above that every layer would otherwise rebuild (masks, RoPE
+    # tables at these positions): computed by the first layer that needs them, this step only.
+    derived: dict[Any, torch.Tensor] = field(default_factory=dict)
+
+    def cached(self, key: Any, build: Callable[[], Any]) -> Any:
+        if key not in self.derived:
+            self.derived[key] = build()
+        return self.derived[key]
 
     @property
     def num_seqs(self) -> int:

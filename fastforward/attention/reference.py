@@ -20,14 +20,12 @@ def write_kv(
     flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
 
-def _pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, H, D] -> [B, max_q, H, D] and the flat index of every padded row (-1 = padding)."""
+def _pad_index(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
+    """[B, max_q]: the flat token row of each padded query slot (-1 = padding)."""
     b, max_q = meta.num_seqs, meta.max_query_len
-    rows = torch.arange(max_q, device=q.device).expand(b, max_q)
+    rows = torch.arange(max_q, device=device).expand(b, max_q)
     valid = rows < meta.query_lens[:, None]
-    index = torch.where(valid, meta.query_start_loc[:-1, None] + rows, -1)
-    padded = q[index.clamp(min=0)]
-    return padded, index
+    return torch.where(valid, meta.query_start_loc[:-1, None] + rows, -1)
 
 
 def _mask(meta: AttentionMetadata, window: int | None, device: torch.device) -> torch.Tensor:
@@ -68,11 +66,11 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of new queries ``q [T, H, D]`` over the cached context -> ``[T, H, D]``."""
-    qp, index = _pad_queries(q, meta)
-    qp = qp.transpose(1, 2)  # [B, H, max_q, D]
+    index = meta.cached("pad_index", lambda: _pad_index(meta, q.device))
+    qp = q[index.clamp(min=0)].transpose(1, 2)  # [B, H, max_q, D]
     k, v = _gather_kv(kv_cache, group, meta.max_seq_len)
     k, v = k.to(q.dtype), v.to(q.dtype)
-    mask = _mask(meta, window, q.device)[:, None]  # [B, 1, max_q, max_kv]
+    mask = meta.cached(("mask", window), lambda: _mask(meta, window, q.device)[:, None])
     if softcap is None:
         out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     else:

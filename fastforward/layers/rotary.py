@@ -54,19 +54,31 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
         return self._cos_sin
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self._table(q.device, int(positions.max()) + 1 if positions.numel() else 1)
+        """cos and sin at ``positions``, each ``[T, 1, rotary_dim]`` in ``dtype``."""
+        table = self._table(positions.device, int(positions.max()) + 1 if positions.numel() else 1)
         cos, sin = table[positions].chunk(2, dim=-1)  # [T, rot/2] each
+        cos = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(dtype)
+        sin = torch.cat([sin, sin], dim=-1).unsqueeze(1).to(dtype)
+        return cos, sin
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos_sin`` may be passed in when several layers share positions and RoPE."""
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    rot = cos.shape[-1] * 2
+    rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    cos = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(x.dtype)  # [T, 1, rot]
-    sin = torch.cat([sin, sin], dim=-1).unsqueeze(1).to(x.dtype)
     x1, x2 = x_rot.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     out = x_rot * cos + rotated * sin

@@ -54,7 +54,10 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        rope = self.rotary
+        key = ("rope", rope.rope, rope.head_dim)  # layers with equal RoPE share the table
+        cos_sin = meta.cached(key, lambda: rope.cos_sin(positions, q.dtype))
+        q, k = rope(positions, q, k, cos_sin)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
