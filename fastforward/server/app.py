@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastforward.outputs import RequestOutput
 from fastforward.sampling_params import SamplingParams
@@ -99,6 +101,22 @@ def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def _encode(tokenizer, text: str, param: str, **kwargs: Any) -> list[int]:
+    """Tokenize request text. Text that is not valid Unicode (a lone surrogate, which a JSON
+    ``\\ud800`` escape can carry) is a 400 naming ``param``, not a tokenizer crash (500)."""
+    try:
+        return tokenizer.encode(text, **kwargs)
+    except (TypeError, UnicodeError):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(
+                f"{param} is not valid Unicode text ({e.reason} at position {e.start})",
+                param=param,
+            ) from None
+        raise
+
+
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="fastforward", version="0.1.0")
     api = OpenAIServing(engine, config)
@@ -133,23 +151,55 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     return GuardMiddleware(app, config)  # type: ignore[return-value]
 
 
+# pydantic puts the member of a union that failed into an error's location ("prompt.str",
+# "stop.list[str]", "messages.0.content.str"); these are types, not fields of the request.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|bytes|none|[a-z_-]+\[.*\]|function-.*|[A-Z]\w*)$")
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """One OpenAI-style message and ``param`` (the field's dotted path) for pydantic errors."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", first.get("msg", ""))
+        return f"the request body is not valid JSON: {reason}", None
+
+    def path(err: dict[str, Any]) -> str | None:
+        loc = list(err.get("loc", ()))
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        parts = []
+        for p in loc:
+            if isinstance(p, str) and _UNION_TAG.match(p):
+                break  # the rest describes a union member, not the request
+            parts.append(str(p))
+        return ".".join(parts) or None
+
+    param = path(first)
+    if param is None:
+        return f"the request body must be a JSON object: {first.get('msg', '')}", None
+    # A union reports one error per member: say them all, once.
+    msgs = list(dict.fromkeys(e.get("msg", "invalid value") for e in errors if path(e) == param))
+    return f"{param}: {' or '.join(msgs)}", param
+
+
 def _install_error_handlers(app: FastAPI, config: ServerConfig) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", []) if p != "body"]
-        param = ".".join(loc) or None
-        message = (
-            f"{param}: {first.get('msg', 'invalid request')}"
-            if param
-            else first.get("msg", "invalid request")
-        )
+        message, param = _validation_message(exc.errors())
         return _json(APIError(message, param=param).body(), 400)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return _json(exc.body(), exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown paths (404) and wrong methods (405) answer in OpenAI's error shape too.
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err = APIError(str(exc.detail), status=exc.status_code, kind=kind)
+        return _json(err.body(), exc.status_code, exc.headers)
 
     @app.exception_handler(QueueFullError)
     async def busy(_: Request, exc: QueueFullError) -> JSONResponse:
@@ -231,7 +281,7 @@ class OpenAIServing:
             if isinstance(p, str):
                 if not p:
                     raise APIError("prompt is empty", param="prompt")
-                out.append((p, self.tokenizer.encode(p)))
+                out.append((p, _encode(self.tokenizer, p, "prompt")))
             else:
                 if not p:
                     raise APIError("prompt is empty", param="prompt")
@@ -317,9 +367,11 @@ class OpenAIServing:
             )
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = _encode(self.tokenizer, text, "messages", add_special_tokens=False)
         max_tokens = req.max_completion_tokens or req.max_tokens
         top = req.top_logprobs or 0
+        if top and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
         params = sampling_params(req, max_tokens, top if req.logprobs else None)
         check_context(len(ids), max_tokens, self.max_model_len)
         rid = new_id("chatcmpl")
@@ -405,11 +457,18 @@ async def _first_outputs(gens: list) -> list:
     try:
         for g in gens:
             firsts.append(await g.__anext__())
+            if firsts[-1].error:  # failed before anything was sent: a plain HTTP error
+                raise APIError(f"the engine failed the request: {firsts[-1].error}", status=500)
     except BaseException:
         for g in gens:
             await g.aclose()
         raise
     return firsts
+
+
+def _raise_if_failed(out: RequestOutput) -> None:
+    if out.error:
+        raise RuntimeError(f"the engine failed the request: {out.error}")
 
 
 async def _merge(gens: list, firsts: list) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -426,12 +485,13 @@ async def _merge(gens: list, firsts: list) -> AsyncIterator[tuple[int, RequestOu
             await queue.put((i, None))
 
     tasks = []
-    for i, first in enumerate(firsts):
-        yield i, first
-        if not first.finished:
-            tasks.append(asyncio.create_task(pump(i, gens[i])))
-    live = len(tasks)
-    try:
+    try:  # from the first yield on: whatever ends this early must abort every request
+        for i, first in enumerate(firsts):
+            _raise_if_failed(first)
+            yield i, first
+            if not first.finished:
+                tasks.append(asyncio.create_task(pump(i, gens[i])))
+        live = len(tasks)
         while live:
             i, item = await queue.get()
             if item is None:
@@ -439,6 +499,7 @@ async def _merge(gens: list, firsts: list) -> AsyncIterator[tuple[int, RequestOu
             elif isinstance(item, Exception):
                 raise item
             else:
+                _raise_if_failed(item)
                 yield i, item
     finally:
         for t in tasks:
@@ -460,9 +521,16 @@ async def _collect(gens: list, raw: Request) -> list[RequestOutput]:
     tasks = [asyncio.create_task(last(g)) for g in gens]
     try:
         while True:
-            done, _ = await asyncio.wait(tasks, timeout=1.0)
+            done, _ = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:  # e.g. one prompt of a list hit the queue bound:
+                    raise t.exception()  # fail now; the finally aborts the other prompts
             if len(done) == len(tasks):
-                return [t.result() for t in tasks]
+                outs = [t.result() for t in tasks]
+                for out in outs:
+                    if out.error:  # the engine failed this request (a step error)
+                        raise APIError(f"the engine failed the request: {out.error}", status=500)
+                return outs
             if await raw.is_disconnected():
                 raise asyncio.CancelledError
     finally:

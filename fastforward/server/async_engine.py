@@ -55,6 +55,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.healthy = True
+        self.metrics.set_gauges(self._gauges())  # /metrics is right before the first request
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -80,9 +81,14 @@ class AsyncEngine:
         with self._lock:
             self._pending_adds += 1
         self._commands.put(_Add(request_id, prompt, params, prompt_text, future, loop, outputs))
-        await asyncio.wrap_future(future)  # raises the engine's ValueError for bad input
         finished = False
         try:
+            try:
+                await asyncio.wrap_future(future)  # raises the engine's ValueError for bad input
+            except Exception:
+                finished = True  # rejected: there is nothing to abort
+                raise
+            # (Cancelled while the engine adds it: the abort below is queued after the add.)
             while True:
                 out = await outputs.get()
                 if isinstance(out, Exception):  # the engine loop failed this request
@@ -115,20 +121,28 @@ class AsyncEngine:
             cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
             return
-        while cmd is not None:
-            self._handle(cmd)
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        adds = 0
+        try:
+            while cmd is not None:
+                adds += isinstance(cmd, _Add)
+                self._handle(cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+        finally:
+            # Publish the new state (an abort frees blocks even when no step follows) before
+            # the added requests stop counting as pending, so that the waiting bound never
+            # misses a request in between.
+            self.metrics.set_gauges(self._gauges())
+            with self._lock:
+                self._pending_adds -= adds
 
     def _handle(self, cmd: _Add | _Abort) -> None:
         if isinstance(cmd, _Abort):
             self.engine.abort_request(cmd.request_id)
             self._streams.pop(cmd.request_id, None)
             return
-        with self._lock:
-            self._pending_adds -= 1
         try:
             self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
         except Exception as e:

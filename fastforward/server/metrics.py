@@ -109,10 +109,15 @@ class ServerMetrics:
                     g.num_waiting,
                 ),
                 *_gauge(
-                    "fastforward_kv_cache_blocks_used", "KV cache blocks in use", g.kv_blocks_used
+                    "fastforward_kv_cache_blocks_used",
+                    "KV cache blocks referenced by live requests",
+                    g.kv_blocks_used,
                 ),
                 *_gauge(
-                    "fastforward_kv_cache_blocks_free", "KV cache blocks free", g.kv_blocks_free
+                    "fastforward_kv_cache_blocks_free",
+                    "KV cache blocks free to allocate (cached prefix blocks no request holds count "
+                    "as free)",
+                    g.kv_blocks_free,
                 ),
                 *_counter(
                     "fastforward_num_preemptions_total",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -75,7 +76,9 @@ def sampling_params(
         )
     except ValueError as e:
         message = str(e)
-        raise APIError(message, param=message.split(" ", 1)[0]) from None
+        # SamplingParams names the field first: "top_p must be ...", "max_tokens=9 is ..."
+        field_name = re.match(r"[a-z_]+", message)
+        raise APIError(message, param=field_name.group(0) if field_name else None) from None
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
