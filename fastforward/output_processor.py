@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fastforward.loader.tokenizer import Tokenizer
-
 from fastforward.detokenizer import IncrementalDetokenizer
 from fastforward.layers.sampler import SampledToken
+from fastforward.loader.tokenizer import Tokenizer
 from fastforward.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from fastforward.request import Request
 
