@@ -9,101 +9,143 @@ Usage::
     python benchmarks/bench_hf.py --profile            # plus a cProfile of fastforward decode steps
 
 Both engines load the same GGUF file (``fastforward.hub.pull("smollm2-135m")``, Q4_1, dequantized
-to ``--dtype`` at load), get the same prompt token ids (~``--prompt-tokens`` tokens of real text:
-paragraphs of a license file on this machine), decode greedily and ignore EOS (HF:
-``min_new_tokens=max_new_tokens``). Each engine is warmed up once with a short generation; every
-measurement runs HF first, then fastforward, so both see the same machine load.
+to ``--dtype`` at load), get the same prompt token ids (``--prompt-tokens`` tokens of real text
+each: paragraphs of a license file on this machine), decode greedily and ignore EOS (HF:
+``min_new_tokens=max_new_tokens``). Each engine is warmed up once with a short generation.
 
-What is measured:
+What is measured (N = ``--new-tokens``):
 
-* single stream, one prompt, ``--new-tokens`` N new tokens (median of ``--repeats`` runs):
+* single stream, one prompt:
   - TTFT: wall time of a 1-token generation (prefill + first sample);
   - end-to-end tok/s: N / wall time of the N-token generation;
-  - decode tok/s: (N - 1) / (wall - TTFT), i.e. excluding the prefill;
+  - decode tok/s: (N - 1) / (wall - TTFT), i.e. without the prefill;
   - fastforward also reports decode tok/s from its own ``RequestMetrics``
     (``first_token_time`` -> ``finished_time``) as a cross-check.
-* batched throughput: ``--batch`` prompts, N new tokens each, one call (HF: a left-padded
-  batch ``generate``; fastforward: ``LLM.generate`` with continuous batching);
-  total generated tokens / wall time.
-* greedy agreement on the single-stream prompt: matching leading tokens (sanity check only;
-  bf16 rounding differs between the two implementations, so late divergence is normal).
+* batched throughput: ``--batch`` prompts, N new tokens each, in one call (HF: a left-padded
+  batch ``generate``; fastforward: ``LLM.generate``, continuous batching); generated tokens /
+  wall time.
+* greedy agreement on the single-stream prompt: how many leading tokens match (a sanity check:
+  the two bf16 implementations round differently, so a late divergence is normal).
+
+Every measurement is repeated ``--repeats`` times, alternating the engines (HF, fastforward, HF,
+...) so that both see the same machine load, and the best (shortest) time is kept: on a shared
+machine the best of a few runs is the least disturbed one. The load average is printed, with a
+warning when other processes compete for the CPUs (then trust only the ratios, if anything).
+On a shared machine both engines' OpenMP threads spin-wait for CPUs they do not get, which can
+slow every step down tenfold; ``OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_hf.py`` keeps the
+figures usable there (the setting is recorded in the JSON).
 
 Prints a table (metric | HF transformers | fastforward | ratio ff/HF) and writes
-``benchmarks/results/bench_hf.json``. For tok/s a ratio above 1 means fastforward is faster; for
-TTFT a ratio below 1 does. ``torch.set_num_threads`` is left at its default.
+``benchmarks/results/bench_hf.json`` (every sample included). For tok/s a ratio above 1 means
+fastforward is faster; for times (TTFT, wall) a ratio below 1 does. ``torch.set_num_threads`` is
+left at its default.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import json
+import os
 import platform
 import pstats
 import re
-import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 # Run as a plain script from anywhere: import fastforward from this checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastforward import LLM, SamplingParams  # noqa: E402
+from fastforward import LLM, EngineArgs, SamplingParams  # noqa: E402
 from fastforward.hub import pull  # noqa: E402
 
 MODEL = "smollm2-135m"
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_hf.json"
+_PY = f"python{sys.version_info[0]}.{sys.version_info[1]}"
 TEXT_SOURCES = (
     Path("/usr/share/common-licenses/GPL-3"),
     Path(sys.base_prefix) / "LICENSE.txt",
-    Path(sys.base_prefix) / f"lib/python{sys.version_info[0]}.{sys.version_info[1]}/LICENSE.txt",
+    Path(sys.base_prefix) / "lib" / _PY / "LICENSE.txt",
 )
 
-# Token ids of one prompt.
-Ids = list[int]
-# Generate for a list of prompts, N new tokens each; returns the generated ids per prompt.
-GenerateFn = Callable[[list[Ids], int], list[Ids]]
+Ids = list[int]  # token ids of one prompt or one completion
+T = TypeVar("T")
 
 
 @dataclass
-class SingleStream:
-    ttft_s: float
-    e2e_s: float
-    new_tokens: int
-    tokens: Ids
-    internal_decode_tok_s: float | None = None  # fastforward's RequestMetrics, if available
+class Generation:
+    """What one ``generate`` call returns: the new ids per prompt, and for fastforward the
+    decode time of the first request by its own clock (first token -> finished)."""
 
-    @property
-    def e2e_tok_s(self) -> float:
-        return self.new_tokens / self.e2e_s
+    tokens: list[Ids]
+    internal_decode_s: float | None = None
 
-    @property
-    def decode_tok_s(self) -> float:
-        return (self.new_tokens - 1) / max(self.e2e_s - self.ttft_s, 1e-9)
+
+GenerateFn = Callable[[list[Ids], int], Generation]
 
 
 @dataclass
-class Batched:
-    wall_s: float
-    total_tokens: int
+class Engine:
+    name: str
+    generate: GenerateFn
+    load_s: float
+
+
+@dataclass
+class Samples:
+    """Wall times (s) of repeated runs of one measurement, and the last run's output."""
+
+    times: list[float] = field(default_factory=list)
+    internal: list[float] = field(default_factory=list)  # fastforward's own decode times
+    last: Generation | None = None
 
     @property
-    def tok_s(self) -> float:
-        return self.total_tokens / self.wall_s
+    def best(self) -> float:
+        return min(self.times)
 
 
 @dataclass
 class EngineResult:
     load_s: float
-    single: SingleStream
-    batched: Batched
+    new_tokens: int
+    ttft: Samples
+    single: Samples
+    batched: Samples
+
+    @property
+    def single_tokens(self) -> Ids:
+        assert self.single.last is not None
+        return self.single.last.tokens[0]
+
+    @property
+    def e2e_tok_s(self) -> float:
+        return self.new_tokens / self.single.best
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (self.new_tokens - 1) / max(self.single.best - self.ttft.best, 1e-9)
+
+    @property
+    def batched_tokens(self) -> int:
+        assert self.batched.last is not None
+        return sum(len(t) for t in self.batched.last.tokens)
+
+    @property
+    def batched_tok_s(self) -> float:
+        return self.batched_tokens / self.batched.best
+
+    @property
+    def internal_decode_tok_s(self) -> float | None:
+        internal = self.single.internal
+        return (self.new_tokens - 1) / min(internal) if internal else None
 
 
 @dataclass
@@ -135,8 +177,8 @@ def paragraphs(text: str) -> list[str]:
 
 
 def make_prompts(encode: Callable[[str], Ids], count: int, num_tokens: int) -> list[Ids]:
-    """``count`` prompts of exactly ``num_tokens`` ids: consecutive paragraphs joined until long
-    enough, then cut. Wraps around the text (with a different start) if it runs out."""
+    """``count`` distinct prompts of exactly ``num_tokens`` ids: consecutive paragraphs joined
+    until long enough, then cut. Wraps around the text (one paragraph later) if it runs out."""
     paras = paragraphs(read_text())
     prompts: list[Ids] = []
     start = 0
@@ -154,26 +196,27 @@ def make_prompts(encode: Callable[[str], Ids], count: int, num_tokens: int) -> l
 # ---------------------------------------------------------------------------------- engines
 
 
-def load_fastforward(dtype: str, batch: int) -> tuple[LLM, GenerateFn]:
-    llm = LLM(MODEL, dtype=dtype, max_num_seqs=max(64, batch), download_progress=False)
-
-    def generate(prompts: list[Ids], new_tokens: int) -> list[Ids]:
-        outs = llm.generate(prompts, greedy(new_tokens))
-        check_no_cache_hits(outs)
-        return [list(o.outputs[0].token_ids) for o in outs]
-
-    return llm, generate
-
-
 def greedy(new_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
 
 
-def check_no_cache_hits(outs: list[Any]) -> None:
-    """Timings assume every prompt is computed; warn if a prefix cache served part of one."""
-    cached = sum(o.num_cached_tokens for o in outs)
-    if cached:
-        print(f"warning: fastforward served {cached} prompt tokens from cache", file=sys.stderr)
+def load_fastforward(dtype: str, batch: int) -> tuple[LLM, GenerateFn]:
+    kwargs: dict[str, Any] = {"max_num_seqs": max(64, batch), "download_progress": False}
+    if "enable_prefix_caching" in {f.name for f in fields(EngineArgs)}:
+        # Timed runs repeat prompts; HF recomputes them every time, so fastforward must too.
+        kwargs["enable_prefix_caching"] = False
+    llm = LLM(MODEL, dtype=dtype, **kwargs)
+
+    def generate(prompts: list[Ids], new_tokens: int) -> Generation:
+        outs = llm.generate(prompts, greedy(new_tokens))
+        cached = sum(o.num_cached_tokens for o in outs)
+        if cached:  # the timings assume every prompt token is computed
+            print(f"warning: fastforward took {cached} prompt tokens from a cache", file=sys.stderr)
+        m = outs[0].metrics
+        internal = m.finished_time - m.first_token_time if m and m.finished_time else None
+        return Generation([list(o.outputs[0].token_ids) for o in outs], internal)
+
+    return llm, generate
 
 
 def load_hf(dtype: torch.dtype) -> GenerateFn:
@@ -181,7 +224,7 @@ def load_hf(dtype: torch.dtype) -> GenerateFn:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    _silence_gguf_progress_bar()
     path = pull(MODEL)
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tok.padding_side = "left"
@@ -190,7 +233,7 @@ def load_hf(dtype: torch.dtype) -> GenerateFn:
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     model.eval()
 
-    def generate(prompts: list[Ids], new_tokens: int) -> list[Ids]:
+    def generate(prompts: list[Ids], new_tokens: int) -> Generation:
         batch = tok.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
         with torch.inference_mode():
             out = model.generate(
@@ -201,61 +244,70 @@ def load_hf(dtype: torch.dtype) -> GenerateFn:
                 pad_token_id=tok.pad_token_id,
             )
         width = batch["input_ids"].shape[1]
-        return [row[width:].tolist() for row in out]
+        return Generation([row[width:].tolist() for row in out])
 
     return generate
+
+
+def _silence_gguf_progress_bar() -> None:
+    """transformers' GGUF loader draws a tqdm bar that no logging setting turns off."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        return
+    if hasattr(gguf_utils, "tqdm"):
+        gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
 
 
 # ---------------------------------------------------------------------------------- timing
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """Wall time of ``fn()`` and its result."""
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
 
 
-def measure_single(
-    generate: GenerateFn, prompt: Ids, new_tokens: int, repeats: int
-) -> SingleStream:
-    """Median TTFT (1-token runs) and median wall time of N-token runs, one prompt."""
-    ttfts = [timed(lambda: generate([prompt], 1))[0] for _ in range(repeats)]
-    runs = [timed(lambda: generate([prompt], new_tokens)) for _ in range(repeats)]
-    tokens = runs[0][1][0]
-    if len(tokens) != new_tokens:
-        print(f"warning: generated {len(tokens)} tokens, asked for {new_tokens}", file=sys.stderr)
-    return SingleStream(
-        ttft_s=statistics.median(ttfts),
-        e2e_s=statistics.median(t for t, _ in runs),
-        new_tokens=new_tokens,
-        tokens=tokens,
-    )
-
-
-def ff_internal_decode(llm: LLM, prompt: Ids, new_tokens: int, repeats: int) -> float:
-    """Decode tok/s from fastforward's own request timestamps (first token -> finished)."""
-    rates = []
+def alternate(
+    engines: list[Engine], prompts: list[Ids], new_tokens: int, repeats: int
+) -> dict[str, Samples]:
+    """Time ``generate(prompts, new_tokens)`` ``repeats`` times per engine, engines taking turns."""
+    samples = {e.name: Samples() for e in engines}
     for _ in range(repeats):
-        m = llm.generate([prompt], greedy(new_tokens))[0].metrics
-        rates.append((new_tokens - 1) / (m.finished_time - m.first_token_time))
-    return statistics.median(rates)
+        for e in engines:
+            wall, gen = timed(lambda e=e: e.generate(prompts, new_tokens))
+            samples[e.name].times.append(wall)
+            samples[e.name].last = gen
+            if gen.internal_decode_s is not None:
+                samples[e.name].internal.append(gen.internal_decode_s)
+    return samples
 
 
-def measure_batched(generate: GenerateFn, prompts: list[Ids], new_tokens: int) -> Batched:
-    wall, outs = timed(lambda: generate(prompts, new_tokens))
-    return Batched(wall_s=wall, total_tokens=sum(len(o) for o in outs))
-
-
-def bench_engine(
-    generate: GenerateFn, warmup: Ids, prompts: list[Ids], args: argparse.Namespace, load_s: float
-) -> EngineResult:
-    generate([warmup], 8)
-    single = measure_single(generate, prompts[0], args.new_tokens, args.repeats)
-    batched = measure_batched(generate, prompts[: args.batch], args.new_tokens)
-    return EngineResult(load_s=load_s, single=single, batched=batched)
+def bench(
+    engines: list[Engine], warmup: Ids, prompts: list[Ids], args: argparse.Namespace
+) -> dict[str, EngineResult]:
+    """Warm up every engine, then the single-stream and batched measurements, alternating."""
+    for e in engines:
+        e.generate([warmup], 8)
+    n = args.new_tokens
+    ttft = alternate(engines, prompts[:1], 1, args.repeats)
+    single = alternate(engines, prompts[:1], n, args.repeats)
+    batched = alternate(engines, prompts[: args.batch], n, args.repeats)
+    for e in engines:
+        got = [len(t) for t in batched[e.name].last.tokens + single[e.name].last.tokens]
+        if any(g != n for g in got):
+            print(
+                f"warning: {e.name} generated {sorted(set(got))} tokens, not {n}", file=sys.stderr
+            )
+    return {
+        e.name: EngineResult(e.load_s, n, ttft[e.name], single[e.name], batched[e.name])
+        for e in engines
+    }
 
 
 def leading_agreement(a: Ids, b: Ids) -> int:
+    """How many tokens at the start of ``a`` and ``b`` are identical."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -267,53 +319,58 @@ def leading_agreement(a: Ids, b: Ids) -> int:
 # ---------------------------------------------------------------------------------- profile
 
 
-def profile_ff_decode(llm: LLM, prompt: Ids, steps: int, top: int = 20) -> str:
-    """cProfile of ``steps`` single-stream decode steps of the engine (prefill excluded)."""
+def profile_ff_decode(llm: LLM, prompts: list[Ids], steps: int, top: int = 20) -> str:
+    """cProfile of ``steps`` decode steps of the engine with ``len(prompts)`` sequences running
+    (their prefill done first, outside the profile)."""
     engine = llm.engine
-    rid = engine.add_request(prompt, greedy(steps + 2))
-    engine.step()  # prefill
+    ids = [engine.add_request(p, greedy(steps + 2)) for p in prompts]
+    started: set[str] = set()
+    while not started.issuperset(ids):  # prefill (in chunks, maybe) until all have a token
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
     profiler = cProfile.Profile()
+    start = time.perf_counter()
     profiler.enable()
     for _ in range(steps):
         engine.step()
     profiler.disable()
-    engine.abort_request(rid)
+    wall = time.perf_counter() - start
+    for rid in ids:
+        engine.abort_request(rid)
     buf = io.StringIO()
-    stats = pstats.Stats(profiler, stream=buf).strip_dirs().sort_stats("tottime")
-    buf.write(f"fastforward: {steps} decode steps, batch 1, sorted by tottime\n")
-    stats.print_stats(top)
-    return buf.getvalue()
+    buf.write(
+        f"fastforward: {steps} decode steps at batch {len(prompts)}, "
+        f"{wall / steps * 1e3:.1f} ms/step under cProfile; sorted by tottime\n"
+    )
+    pstats.Stats(profiler, stream=buf).strip_dirs().sort_stats("tottime").print_stats(top)
+    return buf.getvalue().rstrip() + "\n"
 
 
 # ---------------------------------------------------------------------------------- report
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
+    cpu, isa = platform.processor() or platform.machine(), []
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        flags = Path("/proc/cpuinfo").read_text()
-        isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        isa = []
+        text = ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in text]
     return {
         "cpu": cpu,
         "isa": isa,
-        "logical_cpus": _cpu_count(),
+        "cpus": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "transformers": _transformers_version(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "MKL_", "KMP_"))},
     }
-
-
-def _cpu_count() -> int | None:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _transformers_version() -> str | None:
@@ -324,88 +381,104 @@ def _transformers_version() -> str | None:
     return transformers.__version__
 
 
-def rows_for(hf: EngineResult | None, ff: EngineResult, ff_internal: float) -> list[Row]:
-    def pick(fn: Callable[[EngineResult], float]) -> tuple[float | None, float]:
+def check_load(when: str, cpus: int | None) -> float:
+    """Print the 1-minute load average; warn when it says the CPUs are shared."""
+    load = os.getloadavg()[0]
+    busy = cpus is not None and load > cpus + 0.5
+    note = ""
+    if busy:
+        note = f" -- more than {cpus} CPUs' worth: timings are disturbed"
+        if os.environ.get("OMP_WAIT_POLICY", "").lower() != "passive":
+            note += " (spinning OpenMP threads suffer most: try OMP_WAIT_POLICY=PASSIVE)"
+    print(f"load average {when}: {load:.2f}{note}", flush=True)
+    return load
+
+
+def make_rows(hf: EngineResult | None, ff: EngineResult, batch: int) -> list[Row]:
+    def both(fn: Callable[[EngineResult], float]) -> tuple[float | None, float]:
         return (fn(hf) if hf else None), fn(ff)
 
-    n = ff.single.new_tokens
-    b = ff.batched.total_tokens // max(n, 1)
+    n = ff.new_tokens
     return [
-        Row("load time (s)", *pick(lambda r: r.load_s)),
-        Row("single: TTFT (ms)", *pick(lambda r: r.single.ttft_s * 1e3)),
-        Row(f"single: decode tok/s ({n} new)", *pick(lambda r: r.single.decode_tok_s)),
-        Row("single: decode tok/s (ff metrics)", None, ff_internal),
-        Row(f"single: end-to-end tok/s ({n} new)", *pick(lambda r: r.single.e2e_tok_s)),
-        Row(f"batched: tok/s ({b} x {n} new)", *pick(lambda r: r.batched.tok_s)),
-        Row("batched: wall time (s)", *pick(lambda r: r.batched.wall_s)),
+        Row("load time (s)", *both(lambda r: r.load_s)),
+        Row("single: TTFT (ms)", *both(lambda r: r.ttft.best * 1e3)),
+        Row(f"single: decode tok/s ({n} new)", *both(lambda r: r.decode_tok_s)),
+        Row("single: decode tok/s, ff's own metrics", None, ff.internal_decode_tok_s),
+        Row(f"single: end-to-end tok/s ({n} new)", *both(lambda r: r.e2e_tok_s)),
+        Row(f"batched: tok/s ({batch} x {n} new)", *both(lambda r: r.batched_tok_s)),
+        Row("batched: wall time (s)", *both(lambda r: r.batched.best)),
     ]
 
 
 def format_table(title: str, rows: list[Row]) -> str:
-    def cell(x: float | None, spec: str = ".2f") -> str:
-        return "-" if x is None else format(x, spec)
+    def cell(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
 
-    header = f"{'metric':<36} | {'HF transformers':>15} | {'fastforward':>11} | {'ratio ff/HF':>11}"
+    header = f"{'metric':<40} | {'HF transformers':>15} | {'fastforward':>11} | {'ratio ff/HF':>11}"
     lines = [title, header, "-" * len(header)]
     lines += [
-        f"{r.metric:<36} | {cell(r.hf):>15} | {cell(r.ff):>11} | {cell(r.ratio, '.2f'):>11}"
-        for r in rows
+        f"{r.metric:<40} | {cell(r.hf):>15} | {cell(r.ff):>11} | {cell(r.ratio):>11}" for r in rows
     ]
     return "\n".join(lines)
+
+
+def result_json(r: EngineResult) -> dict[str, Any]:
+    return {
+        "load_s": r.load_s,
+        "ttft_s": r.ttft.times,
+        "single_s": r.single.times,
+        "batched_s": r.batched.times,
+        "single_decode_tok_s": r.decode_tok_s,
+        "single_e2e_tok_s": r.e2e_tok_s,
+        "single_internal_decode_tok_s": r.internal_decode_tok_s,
+        "batched_tokens": r.batched_tokens,
+        "batched_tok_s": r.batched_tok_s,
+        "single_tokens": r.single_tokens,
+    }
 
 
 # ---------------------------------------------------------------------------------- main
 
 
-def run_dtype(dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_dtype(dtype: str, args: argparse.Namespace, cpus: int | None) -> dict[str, Any]:
     """Load both engines at ``dtype``, measure them, print the table; returns the JSON record."""
     load_s, (llm, ff_generate) = timed(lambda: load_fastforward(dtype, args.batch))
-    encode = llm.get_tokenizer().encode
-    prompts = make_prompts(encode, args.batch + 1, args.prompt_tokens)
-    warmup, prompts = prompts[-1], prompts[:-1]
-    hf = None
+    engines = [Engine("fastforward", ff_generate, load_s)]
     if not args.skip_hf:
         hf_load_s, hf_generate = timed(lambda: load_hf(getattr(torch, dtype)))
-        print(f"[{dtype}] HF transformers ...", flush=True)
-        hf = bench_engine(hf_generate, warmup, prompts, args, hf_load_s)
-    print(f"[{dtype}] fastforward ...", flush=True)
-    ff = bench_engine(ff_generate, warmup, prompts, args, load_s)
-    ff_internal = ff_internal_decode(llm, prompts[0], args.new_tokens, args.repeats)
-    rows = rows_for(hf, ff, ff_internal)
+        engines.insert(0, Engine("hf", hf_generate, hf_load_s))
+    tok = llm.get_tokenizer()
+    encode = functools.partial(tok.encode, add_special_tokens=False)
+    prompts = make_prompts(encode, args.batch + 1, args.prompt_tokens)
+    warmup, prompts = prompts[-1], prompts[:-1]
+    print(f"[{dtype}] measuring {', '.join(e.name for e in engines)} ...", flush=True)
+    load_before = check_load("before", cpus)
+    results = bench(engines, warmup, prompts, args)
+    load_after = check_load("after", cpus)
+    ff, hf = results["fastforward"], results.get("hf")
+    rows = make_rows(hf, ff, args.batch)
     print()
-    print(format_table(f"SmolLM2-135M, {dtype}, prompt {args.prompt_tokens} tokens", rows))
-    record: dict[str, Any] = {"rows": [asdict(r) for r in rows]}
-    record["fastforward"] = _engine_json(ff)
+    print(format_table(f"SmolLM2-135M, {dtype}, prompts of {args.prompt_tokens} tokens", rows))
+    record: dict[str, Any] = {
+        "rows": [asdict(r) for r in rows],
+        "load_average": [load_before, load_after],
+        "engines": {name: result_json(r) for name, r in results.items()},
+    }
     if hf:
-        record["hf"] = _engine_json(hf)
-        agree = leading_agreement(hf.single.tokens, ff.single.tokens)
-        same = sum(x == y for x, y in zip(hf.single.tokens, ff.single.tokens, strict=False))
-        record["agreement"] = {"leading": agree, "same_position": same, "of": args.new_tokens}
+        lead = leading_agreement(hf.single_tokens, ff.single_tokens)
+        same = sum(x == y for x, y in zip(hf.single_tokens, ff.single_tokens, strict=False))
+        record["agreement"] = {"leading": lead, "same_position": same, "of": ff.new_tokens}
         print(
-            f"greedy agreement (single-stream prompt): first {agree}/{args.new_tokens} tokens "
-            f"identical, {same}/{args.new_tokens} equal position by position"
+            f"greedy agreement on the single-stream prompt: the first {lead}/{ff.new_tokens} "
+            f"tokens are identical ({same}/{ff.new_tokens} equal position by position)"
         )
     if args.profile:
-        report = profile_ff_decode(llm, prompts[0], args.profile_steps)
-        print()
-        print(report)
-        record["profile"] = report
+        record["profile"] = {}
+        for batch in sorted({1, args.batch}):
+            report = profile_ff_decode(llm, prompts[:batch], args.profile_steps)
+            print("\n" + report)
+            record["profile"][f"batch_{batch}"] = report
     return record
-
-
-def _engine_json(result: EngineResult) -> dict[str, Any]:
-    s, b = result.single, result.batched
-    return {
-        "load_s": result.load_s,
-        "ttft_s": s.ttft_s,
-        "single_e2e_s": s.e2e_s,
-        "single_decode_tok_s": s.decode_tok_s,
-        "single_e2e_tok_s": s.e2e_tok_s,
-        "single_tokens": s.tokens,
-        "batched_wall_s": b.wall_s,
-        "batched_tokens": b.total_tokens,
-        "batched_tok_s": b.tok_s,
-    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -415,7 +488,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=100)
-    p.add_argument("--repeats", type=int, default=3, help="single-stream runs (median)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per measurement (best kept)")
     p.add_argument("--skip-hf", action="store_true", help="benchmark fastforward only")
     p.add_argument("--quick", action="store_true", help="smoke run: 16 new tokens, batch 4")
     p.add_argument("--profile", action="store_true", help="cProfile fastforward decode steps")
@@ -425,7 +498,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.new_tokens, args.batch, args.repeats = 16, 4, 1
     if args.new_tokens < 2:
-        p.error("--new-tokens must be at least 2 (decode rate excludes the first token)")
+        p.error("--new-tokens must be at least 2 (the decode rate leaves out the first token)")
+    if args.batch < 1 or args.repeats < 1 or args.prompt_tokens < 1:
+        p.error("--batch, --repeats and --prompt-tokens must be positive")
     return args
 
 
@@ -433,16 +508,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     info = machine_info()
     print(
-        f"machine: {info['cpu']} ({info['logical_cpus']} CPUs, {' '.join(info['isa'])}), "
+        f"machine: {info['cpu']} ({info['cpus']} CPUs; {' '.join(info['isa'])}), "
         f"torch {info['torch']} ({info['torch_threads']} threads), "
         f"transformers {info['transformers']}, python {info['python']}"
+        + "".join(f", {k}={v}" for k, v in info["env"].items())
     )
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    results = {d: run_dtype(d, args) for d in (args.dtypes or [args.dtype])}
+    results = {d: run_dtype(d, args, info["cpus"]) for d in (args.dtypes or [args.dtype])}
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(
-        json.dumps({"machine": info, "config": config, "results": results}, indent=2)
-    )
+    report = {"machine": info, "config": config, "results": results}
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.output}")
 
 
