@@ -8,6 +8,12 @@ Order of a step: running requests first, oldest first; when blocks run out the n
 request is preempted (blocks freed, recomputed later from scratch with its output kept) and put
 at the front of the waiting queue. Only in a step without preemption are waiting requests
 admitted, in FCFS order, stopping at the first that does not fit.
+
+Prefix caching: a request is admitted with the longest cached prefix of its tokens already
+computed (``num_computed_tokens`` starts there) and computes the rest. Blocks enter the cache in
+``update``, after the step that filled them; a waiting request whose next block is being filled
+in the current step by another request (a sibling of ``n > 1``, the same system prompt arriving
+together) waits for the next step and hits it instead of computing it again.
 """
 
 from __future__ import annotations
@@ -31,6 +37,16 @@ class SchedulerStats:
     num_waiting: int
     kv_usage: float
     num_preemptions: int  # since start
+    # Prefix cache, in tokens since start: tokens of admitted requests looked up, and how many
+    # of them were served from the cache (readmissions after preemption included).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
 
 
 class Scheduler:
@@ -43,6 +59,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: oldest first
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -115,6 +133,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick the requests and token counts of the next step and allocate their KV blocks."""
         output = SchedulerOutput()
+        self.kv.begin_step()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted:
             self._schedule_waiting(output, budget)
@@ -161,16 +180,28 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request, n):
+            hit = self.kv.find_cached_prefix(request)
+            if self.kv.waits_for_pending(request, hit):
+                break  # FCFS: the head waits one step for its prefix, and so does everyone
+            n = min(request.num_tokens - hit.num_tokens, budget)
+            if not self.kv.allocate_slots(request, n, hit):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            request.num_computed_tokens = hit.num_tokens
+            self._record_hit(request, hit.num_tokens)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             self.running.append(request)
             output.scheduled.append(self._scheduled(request, n))
             budget -= n
+
+    def _record_hit(self, request: Request, num_hit: int) -> None:
+        if request.first_scheduled_time is None:  # first admission: only prompt tokens so far
+            request.num_cached_tokens = num_hit
+        if self.kv.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(request, n, self.kv.get_block_ids(request))
@@ -196,6 +227,7 @@ class Scheduler:
         changed = []
         for s, sample in live:
             s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(s.request)  # before a stop can free its blocks
             if sample:
                 self._append_token(s.request, sampled[s.request.request_id])
                 changed.append(s.request)
@@ -244,4 +276,6 @@ class Scheduler:
             num_waiting=len(self.waiting),
             kv_usage=self.kv.usage,
             num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )

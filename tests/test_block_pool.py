@@ -96,13 +96,17 @@ def test_double_free_raises():
         pool.free(blocks)
 
 
-def test_allocate_clears_a_stale_block_hash():
+def test_allocate_evicts_a_cached_block():
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
-    block.block_hash = 1234
+    key = (0, b"h" * 32)
+    assert pool.cache_block(block, key)
     pool.free([block])
-    assert block.block_hash == 1234  # kept while free: prefix caching may still hit it
-    assert pool.allocate(1)[0].block_hash is None
+    # Kept while free: prefix caching may still hit it.
+    assert block.cache_key == key and pool.get_cached_block(key) is block
+    assert pool.allocate(1)[0] is block
+    assert block.cache_key is None and pool.get_cached_block(key) is None
+    assert pool.num_cached_blocks == 0
 
 
 def test_usage():

@@ -3,6 +3,7 @@ randomized simulation that checks invariants every step and a full pool at the e
 
 import math
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -28,9 +29,10 @@ def sliding(window, block_size=BS):
 
 
 def make_scheduler(
-    *, num_blocks=64, budget=64, max_num_seqs=16, max_model_len=256, specs=None
+    *, num_blocks=64, budget=64, max_num_seqs=16, max_model_len=256, specs=None, caching=True
 ) -> Scheduler:
-    kv = KVCacheManager(make_kv_cache_config(specs or [full()], num_blocks=num_blocks))
+    config = make_kv_cache_config(specs or [full()], num_blocks=num_blocks)
+    kv = KVCacheManager(config, enable_caching=caching)
     return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), kv)
 
 
@@ -66,7 +68,7 @@ def assert_pool_full(sched: Scheduler) -> None:
 
 
 def test_token_budget_is_shared_in_arrival_order():
-    sched = make_scheduler(budget=8)
+    sched = make_scheduler(budget=8, caching=False)
     a, b = make_request("a", 5), make_request("b", 7)
     sched.add_request(a)
     sched.add_request(b)
@@ -80,6 +82,24 @@ def test_token_budget_is_shared_in_arrival_order():
     assert plan == [("a", 1), ("b", 1)]
     assert a.output_token_ids == [TOKEN] * 3
     assert b.output_token_ids == [TOKEN] * 2
+    run_to_completion(sched)
+    assert_pool_full(sched)
+
+
+def test_token_budget_with_a_shared_prefix():
+    # Same workload with prefix caching: a and b share their first block (tokens 100..103),
+    # which a fills in step 1, so b waits one step and starts from it.
+    sched = make_scheduler(budget=8)
+    a, b = make_request("a", 5), make_request("b", 7)
+    sched.add_request(a)
+    sched.add_request(b)
+    _, plan, sampled = step(sched)
+    assert plan == [("a", 5)]
+    out, plan, sampled = step(sched)
+    assert plan == [("a", 1), ("b", 3)]
+    assert sampled == ["a", "b"]
+    assert [s.block_ids for s in out.scheduled] == [([1, 2],), ([1, 3],)]
+    assert b.num_cached_tokens == 4
     run_to_completion(sched)
     assert_pool_full(sched)
 
@@ -179,9 +199,11 @@ def test_preemption_order_fcfs_and_recompute():
     assert plan == [("a", 1)]
     assert a.status == RequestStatus.FINISHED_LENGTH  # a's blocks go back: 3 4 2 1
 
-    # Recompute covers prompt + output so far; the next token is sampled right away.
+    # Recompute covers prompt + output so far; the next token is sampled right away. b's first
+    # block (3 prompt tokens + its first output) was full and cached before b was preempted, so
+    # b finds it again and computes only its fifth token (4 tokens were [100, 101, 102, 7]).
     out, plan, sampled = step(sched)
-    assert plan == [("b", 5), ("c", 4)]
+    assert plan == [("b", 1), ("c", 4)]
     assert sampled == ["b", "c"]
     assert [s.block_ids for s in out.scheduled] == [([3, 4],), ([2],)]
     run_to_completion(sched)
@@ -207,7 +229,7 @@ def test_no_admission_in_a_step_that_preempted():
     assert list(sched.waiting) == [w]
     assert a.is_finished
     _, plan, _ = step(sched)
-    assert plan == [("w", 3)]
+    assert plan == [("w", 1)]  # its first block (full before preemption) is a cache hit
     run_to_completion(sched)
     assert w.output_token_ids == [TOKEN] * 4
     assert_pool_full(sched)
@@ -447,10 +469,12 @@ def check_table(manager, table: list[int], start: int, n: int) -> None:
 
 
 def check_blocks_held(sched: Scheduler) -> None:
-    """Blocks held by running requests are exactly the blocks missing from the pool."""
-    held = [b for r in sched.running for t in sched.kv.get_block_ids(r) for b in t if b != 0]
-    assert len(held) == len(set(held))
+    """Blocks held by running requests are exactly the blocks missing from the pool, each with
+    one reference per table holding it (prefix caching shares blocks between requests)."""
+    held = Counter(b for r in sched.running for t in sched.kv.get_block_ids(r) for b in t if b)
     assert len(held) == sched.kv.pool.num_usable_blocks - sched.kv.num_free_blocks
+    for block_id, count in held.items():
+        assert sched.kv.pool.blocks[block_id].ref_cnt == count
     for r in sched.waiting:
         assert all(t == [] for t in sched.kv.get_block_ids(r))
 
