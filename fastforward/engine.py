@@ -33,7 +33,8 @@ from fastforward.outputs import RequestOutput
 from fastforward.request import Request, RequestStatus
 from fastforward.runner import ModelRunner
 from fastforward.sampling_params import SamplingParams
-from fastforward.scheduler import Scheduler
+from fastforward.scheduler import Scheduler, SchedulerStats
+from fastforward.scoring import score_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,10 @@ class EngineArgs:
     seed: int = 0
     device: str = "cpu"
     download_progress: bool = True
+    enable_prefix_caching: bool = True
+    # Weight format (fastforward.quant.METHODS): int8, int4, int4-g64, int4-g128, codebook4,
+    # codebook8, gguf; None keeps ``dtype`` weights. (A KV-cache dtype is a separate option.)
+    quantization: str | None = None
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -103,17 +108,24 @@ class LLMEngine:
         self.device = torch.device(args.device)
         self.dtype = resolve_dtype(args.dtype)
         path = resolve_model(args.model, progress=args.download_progress)
-        loaded = load_model(path, self.dtype, self.device)
+        loaded = load_model(path, self.dtype, self.device, args.quantization)
         self.model, self.model_config, self.tokenizer = (
             loaded.model,
             loaded.config,
             loaded.tokenizer,
         )
+        self.quantization = loaded.quantization  # packed / left-float modules, or None
         self.max_model_len = self._resolve_max_model_len(args.max_model_len)
         self.kv_config = self._kv_config()
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len),
-            KVCacheManager(self.kv_config),
+            KVCacheManager(
+                self.kv_config,
+                enable_caching=args.enable_prefix_caching,
+                # Whatever besides the tokens decides the KV goes into every block hash.
+                extra_key=f"model={path}|dtype={self.dtype}|kv_dtype={self.dtype}"
+                f"|weights={args.quantization}",
+            ),
         )
         self.runner = ModelRunner(self.model, self.kv_config, self.device, self.dtype)
         self.sampler = Sampler(seed=args.seed)
@@ -296,3 +308,18 @@ class LLMEngine:
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
             outs.append(self._emit(parent))
         return outs
+
+    # ------------------------------------------------------------------ scoring
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Log-probabilities of each next token of ``token_ids`` (``[len - 1]`` float32), from
+        one pass over a KV allocation of its own: the serving cache is not touched."""
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"{len(token_ids)} tokens exceed max_model_len={self.max_model_len}")
+        return score_tokens(self.model, token_ids, self.dtype, self.args.block_size)
+
+    # ------------------------------------------------------------------ stats
+
+    def get_stats(self) -> SchedulerStats:
+        """Queue lengths, KV usage, preemptions and prefix-cache queries/hits (tokens)."""
+        return self.scheduler.get_stats()

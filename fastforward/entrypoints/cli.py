@@ -1,4 +1,4 @@
-"""The ``fastforward`` command: pull, generate, chat."""
+"""The ``fastforward`` command: pull, generate, chat, serve, quantize, eval."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from fastforward.engine import EngineArgs
+from fastforward.entrypoints import eval as eval_cmd
+from fastforward.entrypoints import quantize as quantize_cmd
 from fastforward.hub import DEFAULT_MODEL, default_cache_dir
 
 
@@ -58,6 +60,20 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         help="memory for the KV cache in GiB (default: 1 GiB, more if max-model-len needs it)",
     )
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="weight format: int8, int4 (groups of 32), int4-g64, int4-g128, codebook4, "
+        "codebook4-g64, codebook8, or gguf (keep a GGUF file's blocks packed); default: none",
+    )
+    g.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="compute every prompt in full instead of reusing the KV of earlier requests' "
+        "shared prefixes (prefix caching is on by default)",
+    )
 
 
 def _sampling_options(p: argparse.ArgumentParser) -> None:
@@ -99,6 +115,8 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
         block_size=ns.block_size,
         kv_cache_memory_bytes=memory,
         seed=ns.seed,
+        quantization=ns.quantization,
+        enable_prefix_caching=ns.enable_prefix_caching,
     )
 
 
@@ -270,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_options(p)
     _sampling_options(p)
     p.set_defaults(func=cmd_chat, max_tokens=512)
+
+    quantize_cmd.add_parser(sub)
+    eval_cmd.add_parser(sub)
     return parser
 
 

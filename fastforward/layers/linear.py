@@ -1,5 +1,9 @@
 """Linear layers. Projections that read the same input are fused into one matmul (q/k/v and
-gate/up); checkpoints store them apart, so each fused layer knows where every shard goes."""
+gate/up); checkpoints store them apart, so each fused layer knows where every shard goes.
+
+Weight quantization (``fastforward.quant``) swaps these modules for packed ones with the same
+``forward`` contract after loading; a fused layer is quantized as one matrix and keeps its
+``out_sizes``."""
 
 from __future__ import annotations
 
@@ -20,11 +24,18 @@ class MergedLinear(nn.Linear):
         param = self.weight if name == "weight" else self.bias
         if param is None:
             raise ValueError(f"checkpoint has a {name} for a layer built without one")
-        start, size = self.offsets[shard], self.out_sizes[shard]
-        if tensor.shape[0] != size or tensor.shape[1:] != param.shape[1:]:
-            raise ValueError(
-                f"shard {shard} {name} has shape {tuple(tensor.shape)}, expected "
-                f"({size}, {', '.join(map(str, param.shape[1:]))})"
-            )
-        with torch.no_grad():
-            param[start : start + size].copy_(tensor)
+        copy_rows(param, self.out_sizes, shard, tensor, name)
+
+
+def copy_rows(
+    param: torch.Tensor, out_sizes: list[int], shard: int, tensor: torch.Tensor, name: str = ""
+) -> None:
+    """Copy projection ``shard`` of a fused layer into its rows of ``param``."""
+    start, size = sum(out_sizes[:shard]), out_sizes[shard]
+    if tensor.shape[0] != size or tensor.shape[1:] != param.shape[1:]:
+        raise ValueError(
+            f"shard {shard} {name or 'tensor'} has shape {tuple(tensor.shape)}, expected "
+            f"({size}, {', '.join(map(str, param.shape[1:]))})"
+        )
+    with torch.no_grad():
+        param[start : start + size].copy_(tensor)

@@ -1,5 +1,6 @@
 """GGUF checkpoints (llama.cpp's format, read with the ``gguf`` package) -> an HF-style config
-and HF-named tensors. Weights are dequantized to float32 at load for now.
+and HF-named tensors. Weights are dequantized to float32 at load, or (``packed``) kept as
+block codes for the quantized linears of ``quantization="gguf"``.
 
 Two llama.cpp conversions are undone here: Llama q/k rows were permuted for llama.cpp's
 interleaved RoPE, and Gemma norm weights were stored as ``1 + w``.
@@ -8,7 +9,7 @@ interleaved RoPE, and Gemma norm weights were stored as ``1 + w``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from gguf.quants import dequantize
 
 from fastforward.loader.gguf_file import GGUFFile
+from fastforward.quant.gguf_blocks import BlockCodes, decode_blocks
 
 # architecture in GGUF -> (HF architecture, model_type)
 ARCHITECTURES = {
@@ -119,12 +121,13 @@ class GGUFCheckpoint:
             }
         return cfg
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named float32 tensors, dequantized one at a time."""
+    def tensors(self, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named float32 tensors, dequantized one at a time (but none of the GGUF names in
+        ``skip``: those are loaded packed, see ``packed``)."""
         cfg = self.hf_config()
         for info in self.file.tensors.values():
-            name = self._hf_name(info.name)
-            if name is None:
+            name = self.hf_name(info.name)
+            if name is None or info.name in skip:
                 continue
             try:
                 data = dequantize(self.file.raw(info), info.qtype).reshape(info.shape)
@@ -132,7 +135,20 @@ class GGUFCheckpoint:
                 raise ValueError(f"{self.path}: cannot decode tensor {info.name} ({e})") from None
             yield name, torch.from_numpy(self._undo_conversion(info.name, data, cfg))
 
-    def _hf_name(self, name: str) -> str | None:
+    def packed(self, name: str) -> BlockCodes:
+        """A block-quantized matrix as codes and scales, not expanded to floats, rows in HF
+        order (the Llama q/k permutation undone on the rows)."""
+        info = self.file.tensors[name]
+        codes = decode_blocks(self.file.raw(info), info.qtype, info.shape)
+        if self.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            cfg = self.hf_config()
+            heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
+            order = _unpermute_rope(np.arange(info.shape[0])[:, None], heads)[:, 0]
+            codes = codes.rows(torch.from_numpy(order))
+        return codes
+
+    def hf_name(self, name: str) -> str | None:
+        """The HF name of a GGUF tensor (None: not a model weight)."""
         if name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[name]
         m = _LAYER_RE.match(name)

@@ -121,8 +121,12 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = hidden @ weight.t()
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        elif isinstance(self.embed_tokens, nn.Embedding):
+            logits = hidden @ self.embed_tokens.weight.t()
+        else:  # a quantized tied embedding: its packed matrix is the output projection
+            logits = self.embed_tokens.linear(hidden)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -136,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            target = self._map_name(name)
+            target = self.map_name(name)
             if target is None:
                 continue
             pname, shard = target
@@ -151,7 +155,8 @@ class LlamaForCausalLM(nn.Module):
         self._check_complete(params, loaded)
         return loaded
 
-    def _map_name(self, name: str) -> tuple[str, int | None] | None:
+    def map_name(self, name: str) -> tuple[str, int | None] | None:
+        """Checkpoint tensor name -> (parameter name, shard of a fused layer), None to skip."""
         name = name.removeprefix("model.").removeprefix("language_model.")
         if "rotary_emb" in name or name.startswith(("vision_tower", "multi_modal_projector")):
             return None
@@ -167,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         for pname in params:
             module_name = pname.rsplit(".", 1)[0]
             module = self.get_submodule(module_name) if "." in pname else self
-            if isinstance(module, MergedLinear):
+            if getattr(module, "out_sizes", None) is not None:  # fused (maybe quantized)
                 shards = range(len(module.out_sizes))
                 if any(f"{pname}#{s}" not in loaded for s in shards):
                     missing.append(pname)

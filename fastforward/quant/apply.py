@@ -1,0 +1,115 @@
+"""Quantization as swapping modules: every ``nn.Linear`` (fused ones as one matrix) and the
+token embedding of a loaded float model are replaced by packed modules with the same forward
+contract (gpt-fast's approach). With tied embeddings the packed embedding is also the output
+projection."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+from torch import nn
+
+from fastforward.quant import int4pack
+from fastforward.quant.base import ConcatLinear, QuantizedEmbedding, QuantizedLinear
+from fastforward.quant.codebook import CodebookLinear
+from fastforward.quant.formats import QuantSpec
+from fastforward.quant.int4 import Int4Linear
+from fastforward.quant.int8 import Int8Linear
+from fastforward.quant.kmeans import quantize_codebook
+from fastforward.quant.rtn import quantize_int4, quantize_int8
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class QuantReport:
+    """Which modules were quantized, and which were left in float and why."""
+
+    method: str
+    quantized: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def quantize_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_sizes: list[int] | None,
+    spec: QuantSpec,
+) -> QuantizedLinear | str:
+    """A quantized module for a float ``[N, K]`` weight, or the reason it cannot be one."""
+    n, k = weight.shape
+    w = weight.detach().float()
+    if spec.method == "int8":
+        return Int8Linear(quantize_int8(w), bias, out_sizes)
+    if spec.method in ("int4", "codebook"):
+        group = spec.group_size
+        while group > 32 and k % group:
+            group //= 2  # the largest group size that divides the input width
+        if spec.method == "codebook":
+            if k % group or k % 2:
+                return f"input width {k} is not a multiple of {group}"
+            return CodebookLinear(quantize_codebook(w, spec.num_centroids, group), bias, out_sizes)
+        if not int4pack.int4_shape_ok(n, k, group):
+            return f"int4 kernel needs out % 16 == 0 and in % 32 == 0, got [{n}, {k}]"
+        return Int4Linear(quantize_int4(w, group), bias, out_sizes)
+    raise ValueError(f"quantization method {spec.method!r} needs the checkpoint (see load_model)")
+
+
+def quantize_model(model: nn.Module, spec: QuantSpec, dtype: torch.dtype) -> QuantReport:
+    """Swap the linears and embeddings of a float model (ideally float32, as loaded) for packed
+    ones, then cast the remaining float parameters to ``dtype``."""
+    report = QuantReport(spec.name)
+    targets = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)
+    ]
+    for name, module in targets:
+        bias = module.bias if isinstance(module, nn.Linear) else None
+        new = quantize_linear(module.weight, bias, getattr(module, "out_sizes", None), spec)
+        if isinstance(new, str):
+            report.skipped[name] = new
+            continue
+        if isinstance(module, nn.Embedding):
+            new = QuantizedEmbedding(new, dtype)
+        model.set_submodule(name, new)
+        report.quantized.append(name)
+    if report.skipped:
+        logger.info("left in float: %s", report.skipped)
+    cast_float_params(model, dtype)
+    return report
+
+
+def cast_float_params(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast parameters (not the packed buffers, whose dtypes the kernels fix) to ``dtype``."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightStats:
+    bytes: int  # memory of all parameters and packed buffers
+    num_weights: int  # weights of the model they stand for
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.bytes / max(self.num_weights, 1)
+
+
+def weight_stats(model: nn.Module) -> WeightStats:
+    seen: set[tuple[int, int]] = set()
+    nbytes = 0
+    for t in chain(model.parameters(), model.buffers()):
+        key = (t.data_ptr(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            nbytes += t.numel() * t.element_size()
+    count = sum(p.numel() for p in model.parameters())
+    count += sum(
+        m.num_weights
+        for m in model.modules()
+        if isinstance(m, QuantizedLinear) and not isinstance(m, ConcatLinear)
+    )
+    return WeightStats(nbytes, count)

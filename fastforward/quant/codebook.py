@@ -1,0 +1,81 @@
+"""Codebook (k-means) weights: ``w = scale[group] * centroid[index]``, one codebook per matrix
+(see ``kmeans.py``).
+
+``codebook4``: 16 centroids, 4-bit indices packed two to a byte, a bf16 scale per 32 inputs
+(4.5 bits per weight, like int4-g64). ``codebook4-g64``: scales per 64 (4.25 bits, like
+int4-g128). ``codebook8``: 256 centroids, one byte per index, scales per 128 (8.125 bits).
+
+No PyTorch CPU kernel does a table lookup inside a matmul, so every call looks the weight up
+into bf16 and runs the dense bf16 matmul: the memory at rest is small, but a decode step is
+slower than plain bf16 (docs/quantization.md has the numbers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fastforward.quant import int4pack
+from fastforward.quant.base import QuantizedLinear
+from fastforward.quant.kmeans import CodebookWeights
+from fastforward.quant.rtn import KERNEL_DTYPE
+
+
+class CodebookLinear(QuantizedLinear):
+    format = "codebook"
+
+    def __init__(self, q: CodebookWeights, bias=None, out_sizes=None) -> None:
+        n, k = q.indices.shape
+        super().__init__(k, n, bias, out_sizes)
+        self.num_centroids = q.centroids.shape[0]
+        self.group_size = q.group_size
+        self.nibbles = self.num_centroids <= 16
+        stored = int4pack.pack_plain(q.indices) if self.nibbles else q.indices
+        self.register_buffer("indices", stored.contiguous())
+        self.register_buffer("centroids", q.centroids.to(KERNEL_DTYPE).contiguous())  # [C]
+        self.register_buffer("scales", q.scales.to(KERNEL_DTYPE).contiguous())  # [N, K/g]
+
+    def _lookup(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight (or rows ``index`` of it) in bf16."""
+        idx = self.indices if index is None else self.indices[index]
+        scales = self.scales if index is None else self.scales[index]
+        r, g = idx.shape[0], self.group_size
+        if self.nibbles:
+            # one lookup per byte: a 256-entry table of (low, high) centroid pairs
+            byte = torch.arange(256, device=idx.device)
+            table = torch.stack((self.centroids[byte % 16], self.centroids[byte // 16]), dim=1)
+        else:
+            table = self.centroids[:, None]
+        levels = F.embedding(idx.to(torch.int32), table).view(r, -1, g)
+        return (levels * scales[..., None]).view(r, self.in_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self._lookup())
+
+    def dense_bf16(self) -> torch.Tensor:
+        return self._lookup()
+
+    def dequantize(self) -> torch.Tensor:
+        return self._lookup().float()
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return self._lookup(index).float()
+
+    def packed_state(self) -> dict[str, torch.Tensor]:
+        return {"indices": self.indices, "centroids": self.centroids, "scales": self.scales}
+
+    def config(self) -> dict[str, Any]:
+        return super().config() | {
+            "num_centroids": self.num_centroids,
+            "group_size": self.group_size,
+        }
+
+    @classmethod
+    def from_packed(cls, tensors, config, bias):
+        idx = tensors["indices"]
+        if config["num_centroids"] <= 16:
+            idx = int4pack.unpack_plain(idx)
+        q = CodebookWeights(idx, tensors["centroids"], tensors["scales"], config["group_size"])
+        return cls(q, bias, config.get("out_sizes"))

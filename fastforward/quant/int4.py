@@ -1,0 +1,83 @@
+"""int4 group-wise weights on PyTorch's CPU kernel ``aten._weight_int4pack_mm_for_cpu``:
+``w = (code - 8) * scale + zero`` per group of 32/64/128 inputs, scales and zeros in bf16.
+Our ``int4`` quantizer and the GGUF Q4_0/Q4_1/Q4_K blocks both land here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fastforward.quant import int4pack
+from fastforward.quant.base import QuantizedLinear
+from fastforward.quant.gguf_blocks import BlockCodes
+from fastforward.quant.rtn import KERNEL_DTYPE, Int4Weights
+
+
+class Int4Linear(QuantizedLinear):
+    format = "int4"
+
+    def __init__(self, q: Int4Weights, bias=None, out_sizes=None) -> None:
+        n, k = q.codes.shape
+        super().__init__(k, n, bias, out_sizes)
+        if not int4pack.int4_shape_ok(n, k, q.group_size):
+            raise ValueError(
+                f"int4 kernel cannot take a [{n}, {k}] weight in groups of {q.group_size}"
+            )
+        self.group_size = q.group_size
+        self.register_buffer("packed", int4pack.to_kernel_layout(q.codes))  # [N, K/2] uint8
+        sz = torch.stack((q.scales, q.zeros), dim=-1).to(KERNEL_DTYPE)  # [N, K/g, 2]
+        self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous())  # [K/g, N, 2]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.packed_rows_max:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.packed, self.group_size, self.scales_and_zeros
+            )
+        return F.linear(x, self.dense_bf16())
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """``[N, K]`` uint8 codes in 0..15."""
+        return int4pack.from_kernel_layout(self.packed, self.in_features)
+
+    def _affine(self, codes: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        sz = self.scales_and_zeros if index is None else self.scales_and_zeros[:, index]
+        s, z = sz[..., 0].t().float(), sz[..., 1].t().float()  # [R, K/g]
+        r, g = codes.shape[0], self.group_size
+        w = (codes.float().view(r, -1, g) - 8) * s[..., None] + z[..., None]
+        return w.view(r, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self._affine(self.unpacked_codes())
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        codes = int4pack.kernel_layout_rows(self.packed, self.in_features, index)
+        return self._affine(codes, index)
+
+    def packed_state(self) -> dict[str, torch.Tensor]:
+        return {
+            "codes": int4pack.pack_plain(self.unpacked_codes()),
+            "scales_and_zeros": self.scales_and_zeros,
+        }
+
+    def config(self) -> dict[str, Any]:
+        return super().config() | {"group_size": self.group_size}
+
+    @classmethod
+    def from_packed(cls, tensors, config, bias):
+        sz = tensors["scales_and_zeros"].transpose(0, 1)  # [N, K/g, 2]
+        codes = int4pack.unpack_plain(tensors["codes"])
+        q = Int4Weights(codes, sz[..., 0], sz[..., 1], config["group_size"])
+        return cls(q, bias, config.get("out_sizes"))
+
+
+def int4_from_codes(q: BlockCodes) -> Int4Weights:
+    """GGUF 4-bit blocks: codes kept as they are; ``(q - shift) * s + o`` becomes the kernel's
+    ``(q - 8) * s + z`` with ``z = o + (8 - shift) * s`` (rounded to bf16 by ``Int4Linear``)."""
+    if q.bits != 4:
+        raise ValueError("int4 needs 4-bit codes")
+    zeros = (8 - q.shift) * q.scales
+    if q.offsets is not None:
+        zeros = zeros + q.offsets
+    return Int4Weights(q.codes, q.scales, zeros, q.group_size)
