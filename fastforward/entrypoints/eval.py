@@ -185,7 +185,10 @@ def format_table(rows: list[dict]) -> str:
 
 def save_results(cfg: EvalConfig, rows: list[dict], out: Path) -> list[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
-    csv_path, json_path, png_path = (out.with_suffix(s) for s in (".csv", ".json", ".png"))
+    # not with_suffix: a model name like qwen2.5-coder-0.5b has a dot of its own
+    csv_path, json_path, png_path = (
+        out.parent / f"{out.name}{s}" for s in (".csv", ".json", ".png")
+    )
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
