@@ -1,11 +1,11 @@
 """Matmul time of every weight format over a whole model's linears (so the weights stream from
 memory as in decoding, not from cache), at several batch sizes, on one thread.
 
-    python benchmarks/bench_quant_kernels.py [--model smollm2|qwen0.5b] [--rows 1,4,8,16,32]
+    python benchmarks/bench_quant_kernels.py [--model smollm2|qwen0.5b] [--rows 1,8,16,32,128,256]
 
 For each packed format both paths are timed: the packed kernel and the dense fallback
-(dequantize to bf16, then the bf16 matmul); ``SMALL_M`` in ``fastforward/quant/base.py`` is
-where the second overtakes the first. Random weights of the model's shapes; ratios are
+(dequantize to bf16, then the bf16 matmul); each module's ``packed_rows_max`` is about where the
+second overtakes the first. Random weights of the model's shapes; ratios are
 against bf16 ``F.linear`` in the same run.
 """
 
@@ -17,13 +17,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fastforward.quant.base import QuantizedLinear
 from fastforward.quant.codebook import CodebookLinear
 from fastforward.quant.int4 import Int4Linear
 from fastforward.quant.int8 import Int8GroupLinear, Int8Linear
 from fastforward.quant.kmeans import CodebookWeights
 from fastforward.quant.rtn import Int4Weights, Int8Weights
 
+PACKED = (Int8Linear, Int4Linear, Int8GroupLinear)  # formats with a packed kernel path
 SHAPES = {  # per layer [out, in] of qkv, o, gate_up, down; layers; lm_head
     "smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, (49152, 576)),
     "qwen0.5b": ([(1152, 896), (896, 896), (9728, 896), (896, 4864)], 24, (151936, 896)),
@@ -71,7 +71,7 @@ def time_pass(modules, rows: int, reps: int = 5) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(SHAPES), default="smollm2")
-    p.add_argument("--rows", default="1,4,8,16,32")
+    p.add_argument("--rows", default="1,8,16,32,128,256")
     p.add_argument("--formats", default="bf16,int8,int4-g32,int4-g64,int8-g32,codebook4")
     ns = p.parse_args()
     torch.set_num_threads(1)
@@ -87,7 +87,8 @@ def main() -> None:
         for path in paths:
             cells = []
             for r in rows:
-                QuantizedLinear.packed_rows_max = 1 << 30 if path == "packed" else 0
+                for cls in PACKED:
+                    cls.packed_rows_max = 1 << 30 if path == "packed" else 0
                 ms = time_pass(modules, r)
                 if fmt == "bf16":
                     baseline[r] = ms

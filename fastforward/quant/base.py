@@ -16,18 +16,17 @@ from torch import nn
 from fastforward.layers.linear import copy_rows
 from fastforward.quant.rtn import KERNEL_DTYPE
 
-# Up to this many rows the packed kernel runs; beyond it (prefill, scoring) the weight is
-# dequantized to bf16 once per call and the dense bf16 matmul does the rest, which is faster
-# there (the packed kernels scale linearly with rows, the dense one does not).
-SMALL_M = 8
-
 
 class QuantizedLinear(nn.Module):
     """Base of the weight-quantized linears. Subclasses hold the packed weight as buffers and
     implement ``matmul`` (bf16 ``[M, K] -> [M, N]``), ``dequantize`` and ``packed_state``."""
 
     format: ClassVar[str] = ""
-    packed_rows_max: ClassVar[int] = SMALL_M  # batches up to this size use the packed kernel
+    # Batches up to this many rows run the packed kernel; larger ones (prefill, scoring)
+    # dequantize the weight to bf16 once per call and run the dense bf16 matmul, which is
+    # faster there: the packed kernels' cost grows with the rows, the dequantization's does
+    # not. Each format sets its crossover (benchmarks/bench_quant_kernels.py).
+    packed_rows_max: ClassVar[int] = 16
 
     def __init__(
         self,

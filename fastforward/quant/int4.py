@@ -17,6 +17,7 @@ from fastforward.quant.rtn import KERNEL_DTYPE, Int4Weights
 
 class Int4Linear(QuantizedLinear):
     format = "int4"
+    packed_rows_max = 256  # unpacking the kernel layout costs about the kernel at 256 rows
 
     def __init__(self, q: Int4Weights, bias=None, out_sizes=None) -> None:
         n, k = q.codes.shape
@@ -50,6 +51,13 @@ class Int4Linear(QuantizedLinear):
 
     def dequantize(self) -> torch.Tensor:
         return self._affine(self.unpacked_codes())
+
+    def dense_bf16(self) -> torch.Tensor:
+        # in bf16 throughout (code - 8 is exact): faster than the float32 path for prefill
+        n, g = self.out_features, self.group_size
+        codes = self.unpacked_codes().view(n, -1, g).to(KERNEL_DTYPE) - 8
+        s, z = self.scales_and_zeros[..., 0].t(), self.scales_and_zeros[..., 1].t()
+        return (codes * s[..., None] + z[..., None]).view(n, self.in_features)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         codes = int4pack.kernel_layout_rows(self.packed, self.in_features, index)
