@@ -10,13 +10,18 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
 from fastforward.config import SchedulerConfig
 from fastforward.detokenizer import IncrementalDetokenizer
 from fastforward.hub import resolve_model
+from fastforward.kernels.apply import (
+    KernelReport,
+    apply_cpu_kernels,
+    cpu_has_native_bf16,
+    kernels_usable,
+)
 from fastforward.kv.manager import KVCacheManager
 from fastforward.kv.spec import (
     FullAttentionSpec,
@@ -69,24 +74,21 @@ class EngineArgs:
     # Weight format (fastforward.quant.METHODS): int8, int4, int4-g64, int4-g128, codebook4,
     # codebook8, gguf; None keeps ``dtype`` weights. (A KV-cache dtype is a separate option.)
     quantization: str | None = None
+    # auto: fastforward's C++ CPU kernels (paged attention; bf16 linears) where they build,
+    # native: insist on them, torch: the plain PyTorch paths (the reference).
+    kernels: str = "auto"
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(name: str | torch.dtype, fast_bf16: bool = False) -> torch.dtype:
+    """``auto`` is bfloat16 where the CPU multiplies bf16 natively or our bf16 kernels run
+    (``fast_bf16``), float32 elsewhere."""
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
-        return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if fast_bf16 or cpu_has_native_bf16() else torch.float32
     if name not in _DTYPES:
         raise ValueError(f"dtype {name!r} is not supported (choose auto, {', '.join(_DTYPES)})")
     return _DTYPES[name]
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def kv_specs(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> list[KVSpec]:
@@ -106,9 +108,14 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.device = torch.device(args.device)
-        self.dtype = resolve_dtype(args.dtype)
+        use_kernels, why_not = kernels_usable(args.kernels, self.device)
+        self.dtype = resolve_dtype(args.dtype, fast_bf16=use_kernels)
         path = resolve_model(args.model, progress=args.download_progress)
         loaded = load_model(path, self.dtype, self.device, args.quantization)
+        if use_kernels:
+            self.kernels = apply_cpu_kernels(loaded.model, self.dtype)
+        else:
+            self.kernels = KernelReport("torch", reason=why_not)
         self.model, self.model_config, self.tokenizer = (
             loaded.model,
             loaded.config,

@@ -7,8 +7,9 @@ import pytest
 import torch
 from conftest import ARCHS
 
-from fastforward import LLM, SamplingParams
+from fastforward import LLM, SamplingParams, kernels
 from fastforward.engine import kv_specs
+from fastforward.kernels.apply import apply_cpu_kernels
 from fastforward.kv.spec import make_kv_cache_config
 from fastforward.loader.model_loader import load_model
 from fastforward.request import Request
@@ -18,11 +19,15 @@ from fastforward.scheduler_output import ScheduledRequest, SchedulerOutput
 SEQ_LEN = 40  # longer than the sliding window (7) of the Mistral and Gemma 3 configs
 
 
-def _chunked_logits(directory, token_ids: list[int], chunk: int) -> torch.Tensor:
-    loaded = load_model(directory, torch.float32, torch.device("cpu"))
-    specs = kv_specs(loaded.config, block_size=4, dtype=torch.float32)
+def _chunked_logits(
+    directory, token_ids: list[int], chunk: int, native: bool = False, dtype=torch.float32
+) -> torch.Tensor:
+    loaded = load_model(directory, dtype, torch.device("cpu"))
+    if native:
+        apply_cpu_kernels(loaded.model, dtype)
+    specs = kv_specs(loaded.config, block_size=4, dtype=dtype)
     kv_config = make_kv_cache_config(specs, num_blocks=64)
-    runner = ModelRunner(loaded.model, kv_config, torch.device("cpu"), torch.float32)
+    runner = ModelRunner(loaded.model, kv_config, torch.device("cpu"), dtype)
     req = Request("r", token_ids, SamplingParams())
     per_group = -(-len(token_ids) // 4)
     # Distinct, non-contiguous blocks per group, so wrong block-table handling shows up.
@@ -38,19 +43,43 @@ def _chunked_logits(directory, token_ids: list[int], chunk: int) -> torch.Tensor
             hidden = loaded.model(batch.input_ids, batch.positions, batch.meta)
             outs.append(loaded.model.compute_logits(hidden))
         req.num_computed_tokens += n
-    return torch.cat(outs)
+    return torch.cat(outs).float()
+
+
+NATIVE = pytest.param(
+    True, marks=pytest.mark.skipif(not kernels.available(), reason="no C++ kernels")
+)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("chunk", [SEQ_LEN, 9, 1])
-def test_logits_match_hf(tiny_model_dir, arch, chunk):
+@pytest.mark.parametrize("native", [False, NATIVE], ids=["torch", "native"])
+def test_logits_match_hf(tiny_model_dir, arch, chunk, native):
     directory, hf_model = tiny_model_dir(arch)
     torch.manual_seed(1)
     ids = torch.randint(0, hf_model.config.vocab_size, (SEQ_LEN,))
     with torch.no_grad():
         expected = hf_model(ids[None]).logits[0]
-    ours = _chunked_logits(directory, ids.tolist(), chunk)
+    ours = _chunked_logits(directory, ids.tolist(), chunk, native)
     torch.testing.assert_close(ours, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C++ kernels")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_bf16_logits_close_to_reference_bf16(tiny_model_dir, arch):
+    """bf16 weights through the packed linear, fused norms and native attention, against the
+    plain PyTorch bf16 path and HF fp32: both bf16 paths stay as close to fp32 as each other."""
+    directory, hf_model = tiny_model_dir(arch)
+    torch.manual_seed(3)
+    ids = torch.randint(0, hf_model.config.vocab_size, (SEQ_LEN,)).tolist()
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0]
+    ref = _chunked_logits(directory, ids, 9, native=False, dtype=torch.bfloat16)
+    fast = _chunked_logits(directory, ids, 9, native=True, dtype=torch.bfloat16)
+    ref_err = (ref - expected).abs().max().item()
+    fast_err = (fast - expected).abs().max().item()
+    assert fast_err <= 2 * ref_err + 1e-3, (fast_err, ref_err)
+    assert (fast.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
 
 
 def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -25,8 +25,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dtype",
         default="auto",
-        help="weight and activation dtype: auto (bfloat16 where the CPU has native bf16, "
-        "else float32), float32, bfloat16, float16 (default: %(default)s)",
+        help="weight and activation dtype: auto (bfloat16 where the CPU has native bf16 or "
+        "fastforward's bf16 kernels run, else float32), float32, bfloat16, float16 (default: %(default)s)",
     )
     g.add_argument(
         "--max-model-len",
@@ -66,6 +66,14 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="weight format: int8, int4 (groups of 32), int4-g64, int4-g128, codebook4, "
         "codebook4-g64, codebook8, or gguf (keep a GGUF file's blocks packed); default: none",
+    )
+    g.add_argument(
+        "--kernels",
+        default=EngineArgs.kernels,
+        choices=["auto", "native", "torch"],
+        help="auto: fastforward's C++ CPU kernels (paged attention, bf16 linears) where they "
+        "build; native: insist on them; torch: the plain PyTorch reference paths "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--no-prefix-caching",
@@ -117,6 +125,7 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
         seed=ns.seed,
         quantization=ns.quantization,
         enable_prefix_caching=ns.enable_prefix_caching,
+        kernels=ns.kernels,
     )
 
 

@@ -12,6 +12,9 @@ class GatedActivation(nn.Module):
 
     def __init__(self, hidden_act: str) -> None:
         super().__init__()
+        self.use_kernel = False  # fastforward's fused C++ kernel (fastforward.kernels)
+        self.gelu_tanh = hidden_act in ("gelu_pytorch_tanh", "gelu_tanh")
+        self.kernel_ok = hidden_act == "silu" or self.gelu_tanh
         if hidden_act == "silu":
             self.act = F.silu
         elif hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -22,5 +25,7 @@ class GatedActivation(nn.Module):
             raise ValueError(f"activation {hidden_act!r} is not supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel and self.kernel_ok:
+            return torch.ops.fastforward.gated_act(x, self.gelu_tanh)
         gate, up = x.chunk(2, dim=-1)
         return self.act(gate) * up

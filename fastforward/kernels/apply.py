@@ -1,0 +1,112 @@
+"""Switching a loaded model onto the fast CPU kernels, and reporting what was switched."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fastforward import kernels
+from fastforward.kernels.linear import PackedLinear
+from fastforward.layers.activation import GatedActivation
+from fastforward.layers.attention import Attention
+from fastforward.layers.norm import RMSNorm
+
+logger = logging.getLogger(__name__)
+
+KERNEL_MODES = ("auto", "native", "torch")
+
+# Rows up to which the packed kernel beats oneDNN's bf16 matmul on a CPU with native bf16
+# (measured on an AMX Xeon, 2 threads, SmolLM2 shapes: 8 rows 17 ms vs 19 ms for all 120
+# matrices, 16 rows 26 vs 18; benchmarks/bench_kernels.py). Without native bf16 the packed
+# kernel serves every batch size.
+PACKED_ROWS_MAX_NATIVE_BF16 = 8
+
+
+@dataclass(slots=True)
+class KernelReport:
+    """Which layers run fastforward's own kernels."""
+
+    mode: str  # "native" when the kernels are in use, else "torch"
+    linears: list[str] = field(default_factory=list)
+    attention_layers: int = 0
+    reason: str = ""  # why the native kernels are not used, when they are not
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def check_mode(mode: str) -> str:
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels={mode!r} is not supported (choose {', '.join(KERNEL_MODES)})")
+    return mode
+
+
+def kernels_usable(mode: str, device: torch.device) -> tuple[bool, str]:
+    """Whether the native kernels will be used, and the reason when not. ``native`` insists
+    (an error if they cannot load); ``auto`` uses them on the CPU when they build."""
+    check_mode(mode)
+    if mode == "torch":
+        return False, "kernels='torch' asked for the PyTorch paths"
+    if device.type != "cpu":
+        if mode == "native":
+            raise ValueError(f"the native kernels run on the CPU, not on {device}")
+        return False, f"device {device} is not the CPU"
+    build = kernels.load()
+    if not build.loaded:
+        if mode == "native":
+            raise RuntimeError(f"kernels='native' but they did not build: {build.error}")
+        return False, f"the kernels did not build ({build.error})"
+    return True, ""
+
+
+def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
+    """Attention, RMSNorm and gated activations take the native kernels (float32 or bf16);
+    with bf16 weights every float linear layer, and a tied output projection, becomes a
+    ``PackedLinear``."""
+    report = KernelReport("native")
+    if dtype not in (torch.float32, torch.bfloat16):
+        report.reason = f"no native kernels for {dtype}"
+        return report
+    for module in model.modules():
+        if isinstance(module, Attention | RMSNorm | GatedActivation):
+            module.use_kernel = True
+        if isinstance(module, Attention):
+            report.attention_layers += 1
+    if dtype != torch.bfloat16:
+        return report
+    native_bf16 = cpu_has_native_bf16()
+    rows_max = PACKED_ROWS_MAX_NATIVE_BF16 if native_bf16 else 1 << 62
+    targets = [(n, m) for n, m in model.named_modules() if type(m).__name__ in _LINEARS]
+    for name, module in targets:
+        new = PackedLinear(
+            module.weight,
+            module.bias,
+            getattr(module, "out_sizes", None),
+            keep_dense=native_bf16,
+            packed_rows_max=rows_max,
+        )
+        model.set_submodule(name, new)
+        report.linears.append(name)
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", 0) is None and isinstance(embed, nn.Embedding):
+        # Tied: the output projection reads the embedding matrix; the packed copy serves
+        # decode, the embedding keeps the dense one for lookups and large batches.
+        model.lm_head = PackedLinear(
+            embed.weight, None, None, keep_dense=False, packed_rows_max=rows_max
+        )
+        if native_bf16:
+            model.lm_head.dense = embed.weight
+        report.linears.append("lm_head (tied)")
+    return report
+
+
+_LINEARS = {"Linear", "MergedLinear"}

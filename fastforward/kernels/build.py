@@ -1,0 +1,85 @@
+"""Just-in-time build of the C++ CPU kernels (``csrc/``) into ``torch.ops.fastforward``.
+
+The library is compiled for the machine it runs on (``-march=native``) on first use and cached
+under ``~/.cache/fastforward/kernels/<key>``, the key hashing the sources, the flags, the torch
+version and the CPU's feature flags, so a changed source or a different CPU rebuilds. A machine
+without a C++ compiler gets ``None`` and the engine keeps the plain PyTorch paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("linear.cpp", "attention.cpp", "elementwise.cpp", "ops.cpp")
+HEADERS = ("vec.h",)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG")
+CSRC = Path(__file__).parent / "csrc"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBuild:
+    """Where the kernels were built and whether they loaded (``error`` says why not)."""
+
+    directory: Path
+    loaded: bool
+    error: str = ""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_key() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update((CSRC / name).read_bytes())
+    h.update(" ".join(FLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    base = os.environ.get("FASTFORWARD_CACHE") or Path.home() / ".cache" / "fastforward"
+    return Path(base) / "kernels"
+
+
+def build_and_load(verbose: bool = False) -> KernelBuild:
+    """Compile (or reuse) and load the kernels; never raises."""
+    if hasattr(torch.ops.fastforward, "linear_bf16"):
+        return KernelBuild(Path(), True)
+    key = build_key()
+    directory = cache_root() / key
+    try:
+        from torch.utils import cpp_extension
+
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=f"fastforward_kernels_{key}",
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=list(FLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except Exception as exc:  # no compiler, no ninja, a build error: fall back, say why
+        message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}"
+        logger.warning("fastforward CPU kernels unavailable (%s); using PyTorch paths", message)
+        return KernelBuild(directory, False, message)
+    return KernelBuild(directory, True)

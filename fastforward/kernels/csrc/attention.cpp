@@ -1,0 +1,281 @@
+// Paged attention for the CPU: new queries of a flat varlen batch attend over their sequences'
+// keys, read in place from the block-paged cache [2, num_blocks, block_size, KVH, D] through the
+// block tables -- nothing is gathered or padded.
+//
+// Work is split into items of (sequence, KV head, chunk of query tokens, part of the key
+// range). An item's rows are its query tokens x the query heads that share the KV head (GQA),
+// so every key and value loaded is used by all of them. Per block of keys the item converts
+// K to fp32 once, scores every row against it, updates each row's online softmax (running max
+// m, sum l, accumulator acc) with a vectorised exp, then accumulates V. When there are too few
+// items to keep every thread busy (decode of a few long sequences), the key range is split
+// into parts whose partial (m, l, acc) are merged at the end (flash-decoding).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace ff {
+namespace {
+
+constexpr int ROWS_MAX = 16;  // query rows per item: tokens x heads of a GQA group
+constexpr int BS_MAX = 64;    // block sizes up to this go through the stack buffers
+constexpr int D_MAX = 512;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+struct Geometry {
+  int64_t H, KVH, D, G, BS, NB, W;  // heads, KV heads, head dim, group, block size, blocks, table width
+  int64_t qc;                       // query tokens per chunk
+  float scale, softcap;
+  int64_t window;  // 0: none
+};
+
+struct Item {
+  int64_t seq, kvh, t0, nt, k_lo, k_hi;  // tokens [t0, t0 + nt); keys [k_lo, k_hi)
+};
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  vf s0{}, s1{};
+  int64_t i = 0;
+  for (; i + 2 * VL <= D; i += 2 * VL) {
+    s0 += load(a + i) * load(b + i);
+    s1 += load(a + i + VL) * load(b + i + VL);
+  }
+  for (; i + VL <= D; i += VL) s0 += load(a + i) * load(b + i);
+  float s = hsum(s0 + s1);
+  for (; i < D; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t D) {  // y += a * x
+  const vf av = splat(a);
+  int64_t i = 0;
+  for (; i + VL <= D; i += VL) store(y + i, load(y + i) + av * load(x + i));
+  for (; i < D; ++i) y[i] += a * x[i];
+}
+
+inline void scale_vec(float* y, float a, int64_t D) {
+  const vf av = splat(a);
+  int64_t i = 0;
+  for (; i + VL <= D; i += VL) store(y + i, load(y + i) * av);
+  for (; i < D; ++i) y[i] *= a;
+}
+
+template <typename T>
+inline void to_float(float* dst, const T* src, int64_t D) {
+  int64_t i = 0;
+  for (; i + VL <= D; i += VL) store(dst + i, ldv(src + i));
+  for (; i < D; ++i) dst[i] = ld(src, i);
+}
+
+// One item: writes each row's partial (m, l, acc[D]) to part = [rows][D + 2].
+template <typename QT, typename CT>
+void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache,
+                 const int64_t* table, const int64_t* qpos0, float* part) {
+  const int64_t D = g.D, rows = it.nt * g.G;
+  alignas(64) float qf[ROWS_MAX][D_MAX];
+  alignas(64) float kf[BS_MAX][D_MAX];
+  alignas(64) float s[ROWS_MAX][BS_MAX];
+  int64_t lo[ROWS_MAX], hi[ROWS_MAX];
+  float* acc[ROWS_MAX];
+  float m[ROWS_MAX], l[ROWS_MAX];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = it.t0 + r / g.G, head = it.kvh * g.G + r % g.G;
+    to_float(qf[r], q + (t * g.H + head) * D, D);
+    const int64_t pos = qpos0[it.seq] + t;  // qpos0 = seq_len - query_len - query_start
+    hi[r] = std::min(pos + 1, it.k_hi);
+    lo[r] = std::max(g.window > 0 ? pos - g.window + 1 : 0, it.k_lo);
+    acc[r] = part + r * (D + 2) + 2;
+    std::fill(acc[r], acc[r] + D, 0.f);
+    m[r] = NEG_INF;
+    l[r] = 0.f;
+  }
+  int64_t k_lo = it.k_hi, k_hi = it.k_lo;  // keys some row needs
+  for (int64_t r = 0; r < rows; ++r) {
+    if (lo[r] < hi[r]) {
+      k_lo = std::min(k_lo, lo[r]);
+      k_hi = std::max(k_hi, hi[r]);
+    }
+  }
+  const int64_t kv_stride = g.KVH * D;  // between consecutive keys in a block
+  const int64_t half = g.NB * g.BS * kv_stride;  // K half -> V half of the cache
+  const int64_t* tab = table + it.seq * g.W;
+  for (int64_t b0 = k_lo - k_lo % g.BS; b0 < k_hi; b0 += g.BS) {
+    const int64_t j0 = std::max(b0, k_lo), j1 = std::min(b0 + g.BS, k_hi), n = j1 - j0;
+    const CT* kb = cache + (tab[b0 / g.BS] * g.BS + (j0 - b0)) * kv_stride + it.kvh * D;
+    for (int64_t j = 0; j < n; ++j) to_float(kf[j], kb + j * kv_stride, D);
+    for (int64_t r = 0; r < rows; ++r) {
+      float mb = NEG_INF;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t key = j0 + j;
+        float x = NEG_INF;
+        if (key >= lo[r] && key < hi[r]) {
+          x = dot(qf[r], kf[j], D) * g.scale;
+          if (g.softcap > 0.f) x = g.softcap * std::tanh(x / g.softcap);
+          mb = std::max(mb, x);
+        }
+        s[r][j] = x;
+      }
+      if (mb == NEG_INF) continue;
+      const float m_new = std::max(m[r], mb);
+      const float alpha = std::exp(m[r] - m_new);  // 0 on the first block
+      const vf mv = splat(m_new);
+      float sum = 0.f;
+      int64_t j = 0;
+      for (; j + VL <= n; j += VL) {
+        vf p = vexp(load(s[r] + j) - mv);
+        store(s[r] + j, p);
+        sum += hsum(p);
+      }
+      for (; j < n; ++j) {
+        s[r][j] = s[r][j] == NEG_INF ? 0.f : std::exp(s[r][j] - m_new);
+        sum += s[r][j];
+      }
+      if (alpha != 1.f) scale_vec(acc[r], alpha, D);
+      l[r] = l[r] * alpha + sum;
+      m[r] = m_new;
+    }
+    // V: reuse kf as the fp32 copy of the values. Rows that skipped this block have s = -inf
+    // from the score pass only if they were never updated; zero them out here.
+    const CT* vb = kb + half;
+    for (int64_t j = 0; j < n; ++j) to_float(kf[j], vb + j * kv_stride, D);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t key_lo = std::max(lo[r], j0), key_hi = std::min(hi[r], j1);
+      for (int64_t key = key_lo; key < key_hi; ++key) {
+        const float p = s[r][key - j0];
+        if (p != 0.f) axpy(acc[r], p, kf[key - j0], D);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    part[r * (D + 2)] = m[r];
+    part[r * (D + 2) + 1] = l[r];
+  }
+}
+
+template <typename QT, typename CT>
+void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
+         const at::Tensor& qstart, const at::Tensor& seq_lens, Geometry g, at::Tensor& out) {
+  const int64_t B = seq_lens.size(0), T = q.size(0);
+  const int64_t* qs = qstart.data_ptr<int64_t>();
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  std::vector<int64_t> qpos0(B);
+  int64_t max_len = 0, chunks = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t qlen = qs[b + 1] - qs[b];
+    TORCH_CHECK(qlen >= 0 && qlen <= sl[b], "sequence ", b, " has more queries than keys");
+    TORCH_CHECK((sl[b] + g.BS - 1) / g.BS <= g.W, "sequence ", b, " outgrows its block table");
+    qpos0[b] = sl[b] - qlen - qs[b];
+    max_len = std::max(max_len, sl[b]);
+    chunks += (qlen + g.qc - 1) / g.qc;
+  }
+  // Split the key range when the items would leave threads idle and the keys are many.
+  const int64_t threads = at::get_num_threads(), base = chunks * g.KVH;
+  int64_t parts = 1;
+  if (base > 0 && base < 4 * threads) {
+    parts = std::min((4 * threads + base - 1) / base, std::max<int64_t>(1, max_len / 512));
+  }
+  std::vector<Item> items;
+  items.reserve(base * parts);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t qlen = qs[b + 1] - qs[b];
+    const int64_t span = (sl[b] + parts - 1) / parts;
+    const int64_t step = (span + g.BS - 1) / g.BS * g.BS;  // block-aligned parts
+    for (int64_t t0 = qs[b]; t0 < qs[b] + qlen; t0 += g.qc) {
+      const int64_t nt = std::min(g.qc, qs[b] + qlen - t0);
+      for (int64_t h = 0; h < g.KVH; ++h)
+        for (int64_t p = 0; p < parts; ++p)
+          items.push_back({b, h, t0, nt, p * step, std::min((p + 1) * step, sl[b])});
+    }
+  }
+  const int64_t D = g.D, stride = ROWS_MAX * (D + 2);
+  std::vector<float> partial(items.size() * stride);
+  const auto* qp = reinterpret_cast<const QT*>(q.data_ptr());
+  const auto* cp = reinterpret_cast<const CT*>(cache.data_ptr());
+  const int64_t* tp = table.data_ptr<int64_t>();
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      attend_item<QT, CT>(items[i], g, qp, cp, tp, qpos0.data(), partial.data() + i * stride);
+  });
+  // Merge the parts of each (chunk, KV head) and write rows to out [T, H, D].
+  auto* op = reinterpret_cast<QT*>(out.data_ptr());
+  const int64_t groups = int64_t(items.size()) / parts;
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    std::vector<float> o(D);
+    for (int64_t gi = g0; gi < g1; ++gi) {
+      const Item& it = items[gi * parts];
+      for (int64_t r = 0; r < it.nt * g.G; ++r) {
+        float M = NEG_INF;
+        for (int64_t p = 0; p < parts; ++p)
+          M = std::max(M, partial[(gi * parts + p) * stride + r * (D + 2)]);
+        std::fill(o.begin(), o.end(), 0.f);
+        float L = 0.f;
+        for (int64_t p = 0; p < parts; ++p) {
+          const float* pr = partial.data() + (gi * parts + p) * stride + r * (D + 2);
+          if (pr[0] == NEG_INF) continue;
+          const float w = std::exp(pr[0] - M);
+          L += w * pr[1];
+          axpy(o.data(), w, pr + 2, D);
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        const int64_t t = it.t0 + r / g.G, head = it.kvh * g.G + r % g.G;
+        QT* dst = op + (t * g.H + head) * D;
+        for (int64_t i = 0; i < D; ++i) st(dst, i, o[i] * inv);
+      }
+    }
+  });
+  (void)T;
+}
+
+}  // namespace
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale, int64_t window,
+                           double softcap) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D] tensor");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, KVH, D] tensor");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous(),
+              "block_tables must be a contiguous int64 [B, W] tensor");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "query_start_loc and seq_lens must be int64");
+  TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1 &&
+                  block_tables.size(0) == seq_lens.numel(),
+              "metadata sizes disagree");
+  Geometry g{};
+  g.H = q.size(1);
+  g.D = q.size(2);
+  g.NB = kv_cache.size(1);
+  g.BS = kv_cache.size(2);
+  g.KVH = kv_cache.size(3);
+  g.W = block_tables.size(1);
+  TORCH_CHECK(kv_cache.size(4) == g.D, "head_dim of q and the cache differ");
+  TORCH_CHECK(g.H % g.KVH == 0, "heads ", g.H, " not a multiple of KV heads ", g.KVH);
+  TORCH_CHECK(g.D <= D_MAX && g.BS <= BS_MAX, "head_dim <= ", D_MAX, " and block_size <= ",
+              BS_MAX, " supported");
+  g.G = g.H / g.KVH;
+  TORCH_CHECK(g.G <= ROWS_MAX, "more than ", ROWS_MAX, " query heads per KV head");
+  g.qc = std::max<int64_t>(1, ROWS_MAX / g.G);
+  g.scale = float(scale);
+  g.softcap = float(softcap);
+  g.window = window;
+  auto qsl = query_start_loc.contiguous();
+  auto sl = seq_lens.contiguous();
+  TORCH_CHECK(qsl.data_ptr<int64_t>()[seq_lens.numel()] == q.size(0),
+              "query_start_loc does not end at the number of tokens");
+  auto out = at::empty_like(q);
+  const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
+  if (qt == at::kFloat && ct == at::kFloat) run<float, float>(q, kv_cache, block_tables, qsl, sl, g, out);
+  else if (qt == at::kFloat && ct == at::kBFloat16) run<float, uint16_t>(q, kv_cache, block_tables, qsl, sl, g, out);
+  else if (qt == at::kBFloat16 && ct == at::kBFloat16) run<uint16_t, uint16_t>(q, kv_cache, block_tables, qsl, sl, g, out);
+  else if (qt == at::kBFloat16 && ct == at::kFloat) run<uint16_t, float>(q, kv_cache, block_tables, qsl, sl, g, out);
+  else TORCH_CHECK(false, "paged_attention: q ", qt, " with a ", ct, " cache is not supported");
+  return out;
+}
+
+}  // namespace ff

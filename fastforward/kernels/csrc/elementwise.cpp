@@ -1,0 +1,109 @@
+// Row-wise ops of the decoder layer fused into one pass each (in PyTorch they are 5-8 small
+// ops apiece, whose dispatch costs more than their arithmetic at decode sizes).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "vec.h"
+
+namespace ff {
+namespace {
+
+// out = x / rms(x) * w (Llama: the normalised row is rounded to x's dtype before the scale, as
+// HF does) or * (1 + w) in fp32 (Gemma's unit offset).
+template <typename T, typename WT>
+void rms_rows(const T* x, const WT* w, T* out, int64_t rows, int64_t D, int64_t stride,
+              float eps, bool unit_offset) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * stride;
+      T* o = out + r * D;
+      float ss = 0.f;
+      for (int64_t i = 0; i < D; ++i) {
+        const float v = ld(xr, i);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / float(D) + eps);
+      for (int64_t i = 0; i < D; ++i) {
+        const float h = ld(xr, i) * inv;
+        if (unit_offset) {
+          st(o, i, h * (1.f + ld(w, i)));
+        } else if constexpr (std::is_same_v<T, uint16_t>) {
+          st(o, i, bf16_to_float(float_to_bf16(h)) * ld(w, i));
+        } else {
+          st(o, i, h * ld(w, i));
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t I, bool gelu) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / I), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = x + r * 2 * I;
+      const T* u = g + I;
+      T* o = out + r * I;
+      int64_t i = 0;
+      if (!gelu) {
+        for (; i + VL <= I; i += VL) {
+          const vf gv = ldv(g + i);
+          stv(o + i, gv / (1.f + vexp(-gv)) * ldv(u + i));
+        }
+      }
+      for (; i < I; ++i) {
+        const float a = ld(g, i);
+        float act;
+        if (gelu) {
+          act = 0.5f * a * (1.f + std::tanh(0.7978845608028654f * (a + 0.044715f * a * a * a)));
+        } else {
+          act = a / (1.f + std::exp(-a));
+        }
+        st(o, i, act * ld(u, i));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.numel() == D && weight.is_contiguous(), "weight must have ", D, " entries");
+  TORCH_CHECK(x.stride(-1) == 1, "rows of x must be contiguous");
+  auto x2 = x.dim() == 2 ? x : x.reshape({-1, D});
+  TORCH_CHECK(x2.stride(-1) == 1, "rows of x must be contiguous");
+  const int64_t rows = x2.size(0), stride = rows > 1 ? x2.stride(0) : D;
+  auto out = at::empty({rows, D}, x.options());
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf || x.scalar_type() == at::kFloat, "rms_norm: float32 or bfloat16 only");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
+              "rms_norm: weight dtype must be x's or float32");
+  const bool wf = weight.scalar_type() == at::kFloat;
+  auto* xp = x2.data_ptr();
+  auto* op = out.data_ptr();
+  auto* wp = weight.data_ptr();
+  const float e = float(eps);
+  if (bf && wf) rms_rows((const uint16_t*)xp, (const float*)wp, (uint16_t*)op, rows, D, stride, e, unit_offset);
+  else if (bf) rms_rows((const uint16_t*)xp, (const uint16_t*)wp, (uint16_t*)op, rows, D, stride, e, unit_offset);
+  else rms_rows((const float*)xp, (const float*)wp, (float*)op, rows, D, stride, e, unit_offset);
+  return out.view(x.sizes());
+}
+
+at::Tensor gated_act(const at::Tensor& x, bool gelu) {
+  TORCH_CHECK(x.size(-1) % 2 == 0, "gate/up input must have an even width");
+  auto xc = x.contiguous();
+  const int64_t I = x.size(-1) / 2, rows = xc.numel() / (2 * I);
+  auto sizes = x.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    silu_mul_rows((const uint16_t*)xc.data_ptr(), (uint16_t*)out.data_ptr(), rows, I, gelu);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "gated_act: float32 or bfloat16 only");
+    silu_mul_rows(xc.data_ptr<float>(), out.data_ptr<float>(), rows, I, gelu);
+  }
+  return out;
+}
+
+}  // namespace ff

@@ -1,0 +1,179 @@
+// y = x @ W^T (+ bias) for bf16 weights with fp32 accumulation: the linear layer of the fast
+// CPU path. W is pre-packed in column tiles of 16 output features, [N/16][K][16]. The kernel
+// keeps an MR x NV block of accumulators (MR rows of x, NV native vectors of output columns)
+// in registers; per input k it loads NV weight vectors, broadcasts x[m, k] for each row and
+// does MR * NV FMAs -- no horizontal reductions. Few rows (decode) are memory-bound: every
+// weight is read once per MR rows, streamed in order. Many rows (prefill) reuse a tile from L2.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "vec.h"
+
+namespace ff {
+namespace {
+
+constexpr int TILE = 16;  // output features per packed tile
+// A block is MR <= 6 rows x NV vectors of output columns: enough independent accumulators to
+// cover the FMA latency, few enough to stay in registers with the weights and the broadcast x
+// (AVX2: 6 x 2 of 16 ymm; AVX-512: 6 x 4 of 32 zmm). Measured on AVX2: 12 rows x 1 vector
+// was slower at 8 rows and no faster at 256.
+constexpr int MR_MAX = 6;
+constexpr int NV = (VL == 16) ? 4 : 2;
+constexpr int NV_ONE = 4;  // one row: 4 vectors x 2 k-phases = 8 independent FMA chains
+
+template <typename T>
+inline float xval(const T* x, int64_t i) {
+  if constexpr (std::is_same_v<T, uint16_t>) return bf16_to_float(x[i]);
+  else return x[i];
+}
+
+// Address of W[col][k] in the packed layout, col a multiple of VL.
+inline const uint16_t* wcol(const uint16_t* w, int64_t K, int64_t col) {
+  return w + (col / TILE) * K * TILE + col % TILE;
+}
+
+template <int MR, int NV, typename XT, typename YT>
+inline void kernel(const XT* x, int64_t K, const uint16_t* w, int64_t c0, YT* y, int64_t N,
+                   const float* bias) {
+  constexpr int KS = (MR == 1) ? 2 : 1;  // one row: even and odd k in separate chains
+  vf acc[KS][MR][NV];
+#pragma GCC unroll 8
+  for (int s = 0; s < KS; ++s)
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) acc[s][m][j] = vf{};
+  const uint16_t* wp[NV];
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; ++j) wp[j] = wcol(w, K, c0 + j * VL);
+  int64_t k = 0;
+  for (; k + KS <= K; k += KS) {
+#pragma GCC unroll 2
+    for (int s = 0; s < KS; ++s) {
+      vf wv[NV];
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) wv[j] = load_bf16(wp[j] + (k + s) * TILE);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const vf xb = splat(xval(x, m * K + k + s));
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; ++j) acc[s][m][j] += xb * wv[j];
+      }
+    }
+  }
+  if (KS == 2 && k < K) {  // odd K
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) acc[0][0][j] += splat(xval(x, k)) * load_bf16(wp[j] + k * TILE);
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) {
+    float out[NV * VL];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {
+      vf v = KS == 2 ? acc[0][m][j] + acc[KS - 1][m][j] : acc[0][m][j];
+      if (bias) v += load(bias + c0 + j * VL);
+      store(out + j * VL, v);
+    }
+    const int64_t n = std::min<int64_t>(NV * VL, N - c0);
+    YT* yr = y + m * N + c0;
+    for (int64_t i = 0; i < n; ++i) {
+      if constexpr (std::is_same_v<YT, uint16_t>) yr[i] = float_to_bf16(out[i]);
+      else yr[i] = out[i];
+    }
+  }
+}
+
+template <typename XT, typename YT>
+void rows(int r, const XT* x, int64_t K, const uint16_t* w, int64_t c0, int vecs, YT* y,
+          int64_t N, const float* bias) {
+  // r rows over `vecs` column vectors from c0: whole blocks of NV, then single vectors.
+  if (r == 1 && vecs == NV_ONE) return kernel<1, NV_ONE>(x, K, w, c0, y, N, bias);
+  const bool whole = vecs == NV;
+  for (int v = 0; v < (whole ? 1 : vecs); ++v) {
+    const int64_t c = c0 + int64_t(v) * VL;
+    switch (r) {
+#define FF_CASE(R)                                           \
+  case R:                                                    \
+    if (whole) kernel<R, NV>(x, K, w, c, y, N, bias);        \
+    else kernel<R, 1>(x, K, w, c, y, N, bias);               \
+    break;
+      FF_CASE(1) FF_CASE(2) FF_CASE(3) FF_CASE(4) FF_CASE(5) FF_CASE(6)
+#undef FF_CASE
+      default: TORCH_CHECK(false, "bad row block ", r);
+    }
+  }
+}
+
+template <typename XT, typename YT>
+void linear_impl(const XT* x, const uint16_t* w, const float* bias, YT* y, int64_t M,
+                 int64_t K, int64_t N) {
+  const int64_t padded = (N + TILE - 1) / TILE * TILE;  // columns that exist in the packing
+  const int64_t width = int64_t(M == 1 ? NV_ONE : NV) * VL;
+  const int64_t groups = (padded + width - 1) / width;
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / (K * width));  // >= 64 KiB of W
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t c0 = g * width;
+      const int vecs = int(std::min<int64_t>(width, padded - c0) / VL);
+      for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+        const int r = int(std::min<int64_t>(MR_MAX, M - m0));
+        rows(r, x + m0 * K, K, w, c0, vecs, y + m0 * N, N, bias);
+      }
+    }
+  });
+}
+
+
+}  // namespace
+
+// [N, K] float weight -> [ceil(N/16), K, 16] bf16 tiles (rows past N are zero).
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "weight must be [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t tiles = (N + TILE - 1) / TILE;
+  auto w = at::zeros({tiles * TILE, K}, weight.options().dtype(at::kBFloat16));
+  w.narrow(0, 0, N).copy_(weight);
+  return w.view({tiles, TILE, K}).transpose(1, 2).contiguous();
+}
+
+// The [N, K] weight back from its packing (tests, checkpoints).
+at::Tensor unpack_linear_weight(const at::Tensor& wpacked, int64_t N) {
+  const int64_t K = wpacked.size(1);
+  return wpacked.transpose(1, 2).reshape({-1, K}).narrow(0, 0, N).contiguous();
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(wpacked.dim() == 3 && wpacked.size(2) == TILE &&
+                  wpacked.scalar_type() == at::kBFloat16 && wpacked.is_contiguous(),
+              "packed weight must be a contiguous [N/16, K, 16] bf16 tensor");
+  const int64_t K = wpacked.size(1);
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight expects ", K);
+  TORCH_CHECK(N > 0 && wpacked.size(0) * TILE >= N && (wpacked.size(0) - 1) * TILE < N,
+              "N=", N, " does not match the packed weight");
+  auto xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  auto y = at::empty({M, N}, x.options());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    // padded to whole tiles so the vector add never reads past the end
+    b = at::zeros({wpacked.size(0) * TILE}, x.options().dtype(at::kFloat));
+    b.narrow(0, 0, N).copy_(*bias);
+  }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const auto* wp = reinterpret_cast<const uint16_t*>(wpacked.data_ptr());
+  if (M == 0) return y.view(out_sizes);
+  if (x.scalar_type() == at::kFloat) {
+    linear_impl(xc.data_ptr<float>(), wp, bp, y.data_ptr<float>(), M, K, N);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    linear_impl(reinterpret_cast<const uint16_t*>(xc.data_ptr()), wp, bp,
+                reinterpret_cast<uint16_t*>(y.data_ptr()), M, K, N);
+  } else {
+    TORCH_CHECK(false, "linear_bf16: x must be float32 or bfloat16, got ", x.scalar_type());
+  }
+  return y.view(out_sizes);
+}
+
+}  // namespace ff

@@ -1,0 +1,28 @@
+// Registers the fast CPU kernels as torch.ops.fastforward.*.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace ff {
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor unpack_linear_weight(const at::Tensor& wpacked, int64_t N);
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale, int64_t window,
+                           double softcap);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
+at::Tensor gated_act(const at::Tensor& x, bool gelu);
+}  // namespace ff
+
+TORCH_LIBRARY(fastforward, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor", &ff::pack_linear_weight);
+  m.def("unpack_linear_weight(Tensor wpacked, int N) -> Tensor", &ff::unpack_linear_weight);
+  m.def("linear_bf16(Tensor x, Tensor wpacked, int N, Tensor? bias) -> Tensor", &ff::linear_bf16);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor", &ff::rms_norm);
+  m.def("gated_act(Tensor x, bool gelu) -> Tensor", &ff::gated_act);
+  m.def(
+      "paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, "
+      "Tensor seq_lens, float scale, int window, float softcap) -> Tensor",
+      &ff::paged_attention);
+}

@@ -1,0 +1,131 @@
+// Portable SIMD through GCC/Clang vector extensions at the machine's native width: one source
+// that -march=native lowers to AVX-512 (16 floats a register), AVX2 (8) or SSE (4).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace ff {
+
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+#elif defined(__AVX__)
+constexpr int VL = 8;
+#else
+constexpr int VL = 4;
+#endif
+
+// Values in registers; memory is only touched through the unaligned may_alias types *_m.
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
+typedef int8_t vb __attribute__((vector_size(VL)));
+typedef float vf_m __attribute__((vector_size(VL * 4), aligned(4), may_alias));
+typedef uint16_t vh_m __attribute__((vector_size(VL * 2), aligned(2), may_alias));
+typedef int8_t vb_m __attribute__((vector_size(VL), aligned(1), may_alias));
+
+inline vf splat(float x) {
+  vf v = {x};
+  return __builtin_shuffle(v, vi{});  // lane 0 everywhere: one broadcast instruction
+}
+inline vf load(const float* p) { return *reinterpret_cast<const vf_m*>(p); }
+inline void store(float* p, vf v) { *reinterpret_cast<vf_m*>(p) = v; }
+
+// bf16 -> fp32 is exact: the bf16 bits are the high half of the fp32 bits.
+inline vf load_bf16(const uint16_t* p) {
+  vh h = *reinterpret_cast<const vh_m*>(p);
+  vu u = __builtin_convertvector(h, vu) << 16;
+  return reinterpret_cast<vf&>(u);
+}
+
+inline vf load_i8(const int8_t* p) {
+  vb b = *reinterpret_cast<const vb_m*>(p);
+  return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+}
+
+// fp32 -> bf16, round to nearest even, NaN kept a quiet NaN (as c10::BFloat16).
+inline void store_bf16(uint16_t* p, vf f) {
+  vu u = reinterpret_cast<vu&>(f);
+  vu rounded = (u + (((u >> 16) & 1u) + 0x7fffu)) >> 16;
+  vu nan = reinterpret_cast<vu>(f != f);
+  vu out = (rounded & ~nan) | (((u >> 16) | 0x40u) & nan);
+  *reinterpret_cast<vh_m*>(p) = __builtin_convertvector(out, vh);
+}
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if (f != f) return uint16_t((u >> 16) | 0x40u);
+  return uint16_t((u + (((u >> 16) & 1u) + 0x7fffu)) >> 16);
+}
+
+inline float hsum(vf v) {
+  float s = 0.f;
+#pragma GCC unroll 16
+  for (int i = 0; i < VL; ++i) s += v[i];
+  return s;
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+#pragma GCC unroll 16
+  for (int i = 1; i < VL; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// exp(x) for a vector: 2^n * 2^f with n = round(x / ln 2) and a degree-6 polynomial for 2^f on
+// [-1/2, 1/2] (relative error below 2e-7). Lanes below -87 (and -inf) give exactly 0.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.0f), hi = splat(88.0f);
+  vf xc = x < lo ? lo : (x > hi ? hi : x);
+  vf t = xc * 1.44269504088896341f;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf n = (t + magic) - magic;
+  vf f = (t - n) * 0.693147180559945309f;  // in [-ln2/2, ln2/2]
+  vf p = splat(1.0f / 720) * f + 1.0f / 120;
+  p = p * f + 1.0f / 24;
+  p = p * f + 1.0f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf r = p * reinterpret_cast<vf&>(e);
+  return x < lo ? vf{} : r;
+}
+
+// Elements of the activation / cache types the kernels take, as float.
+template <typename T>
+inline float ld(const T* p, int64_t i) {
+  if constexpr (std::is_same_v<T, uint16_t>) return bf16_to_float(p[i]);
+  else return static_cast<float>(p[i]);
+}
+
+template <typename T>
+inline void st(T* p, int64_t i, float v) {
+  if constexpr (std::is_same_v<T, uint16_t>) p[i] = float_to_bf16(v);
+  else p[i] = static_cast<T>(v);
+}
+
+template <typename T>
+inline vf ldv(const T* p) {
+  if constexpr (std::is_same_v<T, uint16_t>) return load_bf16(p);
+  else if constexpr (std::is_same_v<T, int8_t>) return load_i8(p);
+  else return load(p);
+}
+
+template <typename T>
+inline void stv(T* p, vf v) {
+  if constexpr (std::is_same_v<T, uint16_t>) store_bf16(p, v);
+  else store(p, v);
+}
+
+}  // namespace ff

@@ -1,0 +1,69 @@
+"""The linear layer of the fast CPU path: bf16 weights, fp32 accumulation.
+
+Decode-sized batches (a few rows) are bound by reading the weights, so they run our kernel over
+a packed copy of the weight (tiles of 16 output features, ``[N/16, K, 16]``), streamed once in
+address order. Larger batches are bound by arithmetic; where the CPU has native bf16 matmul
+(AMX / AVX512-BF16) oneDNN's is several times faster there, so the dense ``[N, K]`` weight is
+kept as well and those batches go to ``F.linear``. On a CPU without it the packed kernel serves
+every batch and no dense copy is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastforward import kernels
+
+
+class PackedLinear(nn.Module):
+    """Replaces an ``nn.Linear`` (or fused ``MergedLinear``) with the same forward contract."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_sizes: list[int] | None,
+        *,
+        keep_dense: bool,
+        packed_rows_max: int,
+    ) -> None:
+        super().__init__()
+        w = weight.detach().to(torch.bfloat16).contiguous()
+        self.out_features, self.in_features = w.shape
+        self.out_sizes = None if out_sizes is None else list(out_sizes)
+        self.packed_rows_max = packed_rows_max
+        self.register_buffer("packed", kernels.ops().pack_linear_weight(w), persistent=False)
+        self.dense = nn.Parameter(w, requires_grad=False) if keep_dense else None
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The ``[N, K]`` bf16 weight (unpacked on demand when no dense copy is kept)."""
+        if self.dense is not None:
+            return self.dense
+        return kernels.ops().unpack_linear_weight(self.packed, self.out_features)
+
+    @property
+    def num_weights(self) -> int:
+        return self.in_features * self.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.dense is None or rows <= self.packed_rows_max:
+            return kernels.ops().linear_bf16(x, self.packed, self.out_features, self.bias)
+        y = F.linear(x.to(torch.bfloat16), self.dense)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"dense={'kept' if self.dense is not None else 'no'}, "
+            f"packed_rows_max={self.packed_rows_max}"
+        )

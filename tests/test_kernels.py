@@ -1,0 +1,203 @@
+"""The C++ CPU kernels against the plain PyTorch reference paths they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastforward import kernels
+from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
+from fastforward.attention.reference import paged_attention
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for kernels")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("m", "k", "n"), [(1, 576, 1536), (7, 64, 40), (13, 100, 17), (64, 96, 64)]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16_matches_dense(dtype, m, k, n, bias):
+    torch.manual_seed(m * n)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    x = torch.randn(m, k, dtype=dtype)
+    b = torch.randn(n) if bias else None
+    ops = kernels.ops()
+    packed = ops.pack_linear_weight(w)
+    assert torch.equal(ops.unpack_linear_weight(packed, n), w)
+    y = ops.linear_bf16(x, packed, n, b)
+    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+    assert y.dtype == dtype and y.shape == (m, n)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * k**0.5)
+
+
+def test_linear_bf16_rejects_bad_shapes():
+    ops = kernels.ops()
+    packed = ops.pack_linear_weight(torch.randn(32, 16))
+    with pytest.raises(RuntimeError, match="features"):
+        ops.linear_bf16(torch.randn(2, 15), packed, 32, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.linear_bf16(torch.randn(2, 16), packed, 64, None)
+
+
+def _random_batch(query_lens, context_lens, kvh, d, block_size, dtype, seed):
+    """A KV cache with random contents and a shuffled block assignment, plus metadata."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for q, c in zip(query_lens, context_lens, strict=True)]
+    num_blocks = 8 + sum(-(-s // block_size) for s in seq_lens)
+    cache = torch.randn(2, num_blocks, block_size, kvh, d, generator=g).to(dtype)
+    width = max(-(-s // block_size) for s in seq_lens)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    table = torch.zeros(len(seq_lens), width, dtype=torch.long)
+    for i, s in enumerate(seq_lens):
+        n = -(-s // block_size)
+        table[i, :n] = torch.tensor([perm.pop() for _ in range(n)])
+    ql = torch.tensor(query_lens)
+    meta = AttentionMetadata(
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), ql.cumsum(0)]),
+        query_lens=ql,
+        seq_lens=torch.tensor(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        groups=[GroupMetadata(block_tables=table, slot_mapping=torch.zeros(0, dtype=torch.long))],
+    )
+    return cache, meta
+
+
+CASES = [
+    # query lens, context lens, heads, kv heads, head dim, window, softcap
+    ([1], [0], 4, 4, 64, None, None),
+    ([1, 1, 1], [700, 5, 63], 9, 3, 64, None, None),  # decode, split-K on the long one
+    ([37, 1, 5], [0, 90, 16], 9, 3, 64, None, None),  # prefill, decode, chunked prefill mixed
+    ([20, 3], [0, 41], 4, 1, 24, None, None),  # MQA, head dim not a SIMD multiple
+    ([50, 1], [0, 300], 4, 2, 32, 17, None),  # sliding window
+    ([9, 1], [4, 33], 4, 2, 32, None, 5.0),  # logit softcap
+    ([1] * 12, list(range(0, 1200, 100)), 8, 2, 128, None, None),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+def test_paged_attention_matches_reference(case, q_dtype, kv_dtype):
+    query_lens, context_lens, h, kvh, d, window, softcap = case
+    cache, meta = _random_batch(query_lens, context_lens, kvh, d, 16, kv_dtype, seed=h * d)
+    q = torch.randn(sum(query_lens), h, d).to(q_dtype)
+    scale = d**-0.5
+    group = meta.groups[0]
+    ref = paged_attention(
+        q.float(), cache.float(), meta, group, scale=scale, window=window, softcap=softcap
+    )
+    out = kernels.ops().paged_attention(
+        q,
+        cache,
+        group.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        scale,
+        window or 0,
+        softcap or 0.0,
+    )
+    assert out.dtype == q_dtype and out.shape == q.shape
+    tol = 2e-5 if q_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_paged_attention_rejects_inconsistent_metadata():
+    cache, meta = _random_batch([3], [5], 2, 16, 16, torch.float32, seed=0)
+    q = torch.randn(3, 4, 16)
+    with pytest.raises(RuntimeError, match="query_start_loc"):
+        kernels.ops().paged_attention(
+            q[:2],
+            cache,
+            meta.groups[0].block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            0.25,
+            0,
+            0.0,
+        )
+    with pytest.raises(RuntimeError, match="head_dim"):
+        kernels.ops().paged_attention(
+            torch.randn(3, 4, 8),
+            cache,
+            meta.groups[0].block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            0.25,
+            0,
+            0.0,
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm_matches_module(dtype, unit_offset):
+    from fastforward.layers.norm import RMSNorm
+
+    norm = RMSNorm(72, 1e-6, unit_offset)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(72))
+    norm = norm.to(dtype)
+    x = (torch.randn(2, 5, 72) * 3).to(dtype)
+    ref = norm(x)
+    norm.use_kernel = True
+    out = norm(x)
+    assert out.dtype == dtype and out.shape == x.shape
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    view = torch.randn(4, 3 * 72).to(dtype)[:, 72:144]  # rows with a stride
+    torch.testing.assert_close(
+        norm(view).float(), ref.new_tensor(0).float() + _ref_norm(norm, view)
+    )
+
+
+def _ref_norm(norm, x):
+    norm.use_kernel = False
+    try:
+        return norm(x).float()
+    finally:
+        norm.use_kernel = True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gated_activation_matches_module(dtype, act):
+    from fastforward.layers.activation import GatedActivation
+
+    layer = GatedActivation(act)
+    x = (torch.randn(7, 2 * 83) * 4).to(dtype)
+    ref = layer(x)
+    layer.use_kernel = True
+    out = layer(x)
+    assert out.dtype == dtype and out.shape == (7, 83)
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_engine_kernel_modes(tiny_model_dir):
+    from fastforward import LLM, SamplingParams
+    from fastforward.kernels.linear import PackedLinear
+
+    directory, _ = tiny_model_dir("llama")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = list(range(5, 30))
+    native = LLM(str(directory), dtype="bfloat16", kernels="native", download_progress=False)
+    report = native.engine.kernels
+    assert report.mode == "native" and report.attention_layers > 0 and report.linears
+    assert any(isinstance(m, PackedLinear) for m in native.engine.model.modules())
+    torch_llm = LLM(str(directory), dtype="bfloat16", kernels="torch", download_progress=False)
+    assert torch_llm.engine.kernels.mode == "torch" and "torch" in torch_llm.engine.kernels.reason
+    a = native.generate([prompt], params)[0].outputs[0].token_ids
+    b = torch_llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert a[:4] == b[:4]  # bf16 roundings differ; the first tokens of a greedy run agree
+    with pytest.raises(ValueError, match="kernels="):
+        LLM(str(directory), kernels="fast", download_progress=False)
