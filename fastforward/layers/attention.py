@@ -10,6 +10,13 @@ from fastforward.attention.metadata import AttentionMetadata
 from fastforward.attention.reference import paged_attention, write_kv
 
 
+# Steps whose longest query run is at most this many tokens (decode, small chunks) use the
+# native kernel; longer prefills go to the reference path, whose SDPA is a tiled matmul and
+# beats the kernel's per-key scoring there (512-token prefill of SmolLM2: ~900 tok/s with the
+# kernel, benchmarks/bench_cpu.py).
+KERNEL_MAX_QUERY_LEN = 16
+
+
 class Attention(nn.Module):
     """Paged causal attention of one layer. The runner binds ``kv_cache`` (this layer's slot
     tensor ``[2, num_blocks, block_size, KVH, D]``) and ``group`` (its KV cache group)."""
@@ -43,7 +50,7 @@ class Attention(nn.Module):
             raise RuntimeError("attention layer has no KV cache bound (runner not initialised)")
         group = meta.groups[self.group]
         write_kv(self.kv_cache, k, v, group.slot_mapping)
-        if self.use_kernel:
+        if self.use_kernel and meta.max_query_len <= KERNEL_MAX_QUERY_LEN:
             out = torch.ops.fastforward.paged_attention(
                 q.contiguous(),
                 self.kv_cache,
