@@ -9,7 +9,6 @@ from torch import nn
 from fastforward.attention.metadata import AttentionMetadata
 from fastforward.attention.reference import paged_attention, write_kv
 
-
 # Steps whose longest query run is at most this many tokens (decode, small chunks) use the
 # native kernel; longer prefills go to the reference path, whose SDPA is a tiled matmul and
 # beats the kernel's per-key scoring there (512-token prefill of SmolLM2: ~900 tok/s with the
