@@ -201,3 +201,23 @@ def test_engine_kernel_modes(tiny_model_dir):
     assert a[:4] == b[:4]  # bf16 roundings differ; the first tokens of a greedy run agree
     with pytest.raises(ValueError, match="kernels="):
         LLM(str(directory), kernels="fast", download_progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_rope_in_place_matches_reference(dtype, partial):
+    from fastforward.layers.rotary import RotaryEmbedding
+    from fastforward.models.config import RopeConfig
+
+    rope = RotaryEmbedding(32, RopeConfig(theta=10000.0, partial_rotary_factor=partial), 64)
+    qkv = torch.randn(6, (4 + 2 + 2) * 32).to(dtype)
+    q, k, _ = qkv.split([128, 64, 64], dim=-1)  # strided views, as the fused projection gives
+    q, k = q.view(6, 4, 32), k.view(6, 2, 32)
+    positions = torch.tensor([0, 1, 2, 40, 41, 63])
+    ref_q, ref_k = rope(positions, q.clone(), k.clone())
+    rope.use_kernel = True
+    out_q, out_k = rope(positions, q, k)
+    assert out_q.data_ptr() == q.data_ptr()  # rotated in place inside qkv
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out_q.float(), ref_q.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out_k.float(), ref_k.float(), rtol=tol, atol=tol)

@@ -14,6 +14,7 @@ from fastforward.kernels.linear import PackedLinear
 from fastforward.layers.activation import GatedActivation
 from fastforward.layers.attention import Attention
 from fastforward.layers.norm import RMSNorm
+from fastforward.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def kernels_usable(mode: str, device: torch.device) -> tuple[bool, str]:
 
 
 def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
-    """Attention, RMSNorm and gated activations take the native kernels (float32 or bf16);
+    """Attention, RoPE, RMSNorm and gated activations take the native kernels (float32 or bf16);
     with bf16 weights every float linear layer, and a tied output projection, becomes a
     ``PackedLinear``."""
     report = KernelReport("native")
@@ -77,7 +78,7 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
         report.reason = f"no native kernels for {dtype}"
         return report
     for module in model.modules():
-        if isinstance(module, Attention | RMSNorm | GatedActivation):
+        if isinstance(module, Attention | RMSNorm | GatedActivation | RotaryEmbedding):
             module.use_kernel = True
         if isinstance(module, Attention):
             report.attention_layers += 1

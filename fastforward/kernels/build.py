@@ -79,7 +79,9 @@ def build_and_load(verbose: bool = False) -> KernelBuild:
             verbose=verbose,
         )
     except Exception as exc:  # no compiler, no ninja, a build error: fall back, say why
-        message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}"
+        lines = str(exc).strip().splitlines() or [""]
+        first_error = next((ln for ln in lines if "error:" in ln), lines[-1])
+        message = f"{type(exc).__name__}: {first_error.strip()}"
         logger.warning("fastforward CPU kernels unavailable (%s); using PyTorch paths", message)
         return KernelBuild(directory, False, message)
     return KernelBuild(directory, True)

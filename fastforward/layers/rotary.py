@@ -45,6 +45,7 @@ class RotaryEmbedding(nn.Module):
         self.rope = rope
         self.max_positions = max_positions
         self._cos_sin: torch.Tensor | None = None  # [max_positions, rotary_dim] fp32, built lazily
+        self.use_kernel = False  # rotate in place with fastforward's C++ kernel
 
     def _table(self, device: torch.device, needed: int) -> torch.Tensor:
         if self._cos_sin is None or self._cos_sin.device != device or len(self._cos_sin) < needed:
@@ -71,7 +72,14 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos_sin`` may be passed in when several layers share positions and RoPE."""
+        """``cos_sin`` may be passed in when several layers share positions and RoPE. With
+        ``use_kernel`` q and k are rotated in place (they may be views of a fused qkv)."""
+        if self.use_kernel:
+            n = int(positions.max()) + 1 if positions.numel() else 1
+            table = self._table(positions.device, n)
+            torch.ops.fastforward.rope_(q, positions, table)
+            torch.ops.fastforward.rope_(k, positions, table)
+            return q, k
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -56,8 +56,11 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         rope = self.rotary
         key = ("rope", rope.rope, rope.head_dim)  # layers with equal RoPE share the table
-        cos_sin = meta.cached(key, lambda: rope.cos_sin(positions, q.dtype))
-        q, k = rope(positions, q, k, cos_sin)
+        if rope.use_kernel:  # in place, no per-step tables
+            q, k = rope(positions, q, k)
+        else:
+            cos_sin = meta.cached(key, lambda: rope.cos_sin(positions, q.dtype))
+            q, k = rope(positions, q, k, cos_sin)
         return self.o_proj(self.attn(q, k, v, meta))
 
 

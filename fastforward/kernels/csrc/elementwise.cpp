@@ -107,3 +107,54 @@ at::Tensor gated_act(const at::Tensor& x, bool gelu) {
 }
 
 }  // namespace ff
+
+namespace ff {
+namespace {
+
+// Rotate-half RoPE in place on x [T, heads, D] (any token and head strides, D contiguous):
+// the first `rot` features rotate pairwise (i, i + rot/2) by the angles of table row pos[t]
+// (cos in [0, rot/2), sin in [rot/2, rot), fp32); the rest pass through.
+template <typename T>
+void rope_rows(T* x, int64_t Tn, int64_t heads, int64_t ts, int64_t sh, const int64_t* pos,
+               const float* table, int64_t rot, int64_t P) {
+  const int64_t half = rot / 2;
+  at::parallel_for(0, Tn, std::max<int64_t>(1, 4096 / (heads * rot)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " outside the RoPE table");
+      const float* c = table + pos[t] * rot;
+      const float* s = c + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* r = x + t * ts + h * sh;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = ld(r, i), b = ld(r, i + half);
+          st(r, i, a * c[i] - b * s[i]);
+          st(r, i + half, b * c[i] + a * s[i]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [T, heads, D] with contiguous D");
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous(),
+              "table must be a contiguous float32 [positions, rotary_dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0),
+              "positions must be int64 [T]");
+  const int64_t rot = table.size(1);
+  TORCH_CHECK(rot % 2 == 0 && rot <= x.size(2), "rotary dim ", rot, " does not fit head dim");
+  auto pos = positions.contiguous();
+  const auto* pp = pos.data_ptr<int64_t>();
+  if (x.scalar_type() == at::kBFloat16) {
+    rope_rows(reinterpret_cast<uint16_t*>(x.data_ptr()), x.size(0), x.size(1), x.stride(0),
+              x.stride(1), pp, table.data_ptr<float>(), rot, table.size(0));
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "rope_: float32 or bfloat16 only");
+    rope_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), x.stride(1), pp,
+              table.data_ptr<float>(), rot, table.size(0));
+  }
+}
+
+}  // namespace ff

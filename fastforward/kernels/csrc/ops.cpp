@@ -13,6 +13,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                            double softcap);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
 at::Tensor gated_act(const at::Tensor& x, bool gelu);
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table);
 }  // namespace ff
 
 TORCH_LIBRARY(fastforward, m) {
@@ -21,6 +22,7 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("linear_bf16(Tensor x, Tensor wpacked, int N, Tensor? bias) -> Tensor", &ff::linear_bf16);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor", &ff::rms_norm);
   m.def("gated_act(Tensor x, bool gelu) -> Tensor", &ff::gated_act);
+  m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table) -> ()", &ff::rope_);
   m.def(
       "paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, "
       "Tensor seq_lens, float scale, int window, float softcap) -> Tensor",
