@@ -111,25 +111,17 @@ def test_paged_attention_matches_reference(case, q_dtype, kv_dtype):
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
-def test_paged_attention_rejects_inconsistent_metadata():
+@pytest.mark.parametrize(
+    ("rows", "head_dim", "message"), [(2, 16, "query_start_loc"), (3, 8, "head_dim")]
+)
+def test_paged_attention_rejects_inconsistent_metadata(rows, head_dim, message):
     cache, meta = _random_batch([3], [5], 2, 16, 16, torch.float32, seed=0)
-    q = torch.randn(3, 4, 16)
-    with pytest.raises(RuntimeError, match="query_start_loc"):
+    group = meta.groups[0]
+    with pytest.raises(RuntimeError, match=message):
         kernels.ops().paged_attention(
-            q[:2],
+            torch.randn(rows, 4, head_dim),
             cache,
-            meta.groups[0].block_tables,
-            meta.query_start_loc,
-            meta.seq_lens,
-            0.25,
-            0,
-            0.0,
-        )
-    with pytest.raises(RuntimeError, match="head_dim"):
-        kernels.ops().paged_attention(
-            torch.randn(3, 4, 8),
-            cache,
-            meta.groups[0].block_tables,
+            group.block_tables,
             meta.query_start_loc,
             meta.seq_lens,
             0.25,
