@@ -28,6 +28,7 @@ Results go to ``benchmarks/results/bench_cpu.json`` and a bar chart ``bench_cpu.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -66,13 +67,18 @@ def sizes(quick: bool) -> dict[str, Any]:
     return dict(prefill=512, prompt=100, new=128, batches=[1, 8, 32, 64], long=4000, long_new=32)
 
 
-def prompts(count: int, length: int, offset: int = 0) -> list[list[int]]:
-    from bench_hf import make_prompts
-
+@functools.cache
+def tokenizer():
     from fastforward.hub import pull
     from fastforward.loader.model_loader import load_tokenizer
 
-    tok = load_tokenizer(pull("smollm2-135m", progress=False))
+    return load_tokenizer(pull("smollm2-135m", progress=False))
+
+
+def prompts(count: int, length: int, offset: int = 0) -> list[list[int]]:
+    from bench_hf import make_prompts
+
+    tok = tokenizer()
     return make_prompts(lambda s: tok.encode(s), count + offset, length)[offset:]
 
 

@@ -11,6 +11,7 @@ from fastforward.engine import EngineArgs
 from fastforward.entrypoints import eval as eval_cmd
 from fastforward.entrypoints import quantize as quantize_cmd
 from fastforward.hub import DEFAULT_MODEL, default_cache_dir
+from fastforward.kernels.apply import KERNEL_MODES
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
@@ -70,7 +71,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kernels",
         default=EngineArgs.kernels,
-        choices=["auto", "native", "torch"],
+        choices=KERNEL_MODES,
         help="auto: fastforward's C++ CPU kernels (paged attention, bf16 linears) where they "
         "build; native: insist on them; torch: the plain PyTorch reference paths "
         "(default: %(default)s)",

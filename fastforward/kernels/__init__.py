@@ -1,6 +1,6 @@
 """fastforward's own CPU kernels (C++, vectorised for the machine's SIMD width, threaded with
-ATen's pool), built on first use: a bf16-weight linear layer and paged attention that reads
-the block-paged KV cache in place. ``available()`` says whether they loaded; every caller keeps
+ATen's pool), built on first use: a bf16-weight linear layer, paged attention that reads the
+block-paged KV cache in place, RMSNorm, gated activations and RoPE. ``available()`` says whether they loaded; every caller keeps
 the plain PyTorch path as the fallback and as the reference the tests compare against."""
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ logger = logging.getLogger(__name__)
 KERNEL_MODES = ("auto", "native", "torch")
 
 # Rows up to which the packed kernel beats oneDNN's bf16 matmul on a CPU with native bf16
-# (measured on an AMX Xeon, 2 threads, SmolLM2 shapes: 8 rows 17 ms vs 19 ms for all 120
-# matrices, 16 rows 26 vs 18; benchmarks/bench_kernels.py). Without native bf16 the packed
-# kernel serves every batch size.
+# (measured on an AMX Xeon, 2 threads, the 120 matrices of SmolLM2 in a row: 8 rows 17 ms vs
+# 19 ms, 16 rows 26 vs 18; a throwaway timing script, not a project benchmark). Without native
+# bf16 the packed kernel serves every batch size.
 PACKED_ROWS_MAX_NATIVE_BF16 = 8
 
 
@@ -45,10 +45,9 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def check_mode(mode: str) -> str:
+def check_mode(mode: str) -> None:
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernels={mode!r} is not supported (choose {', '.join(KERNEL_MODES)})")
-    return mode
 
 
 def kernels_usable(mode: str, device: torch.device) -> tuple[bool, str]:
@@ -86,7 +85,8 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
         return report
     native_bf16 = cpu_has_native_bf16()
     rows_max = PACKED_ROWS_MAX_NATIVE_BF16 if native_bf16 else 1 << 62
-    targets = [(n, m) for n, m in model.named_modules() if type(m).__name__ in _LINEARS]
+    # nn.Linear and its fused subclass MergedLinear; quantized modules are not nn.Linear
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, module in targets:
         new = PackedLinear(
             module.weight,
@@ -108,6 +108,3 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
             model.lm_head.dense = embed.weight
         report.linears.append("lm_head (tied)")
     return report
-
-
-_LINEARS = {"Linear", "MergedLinear"}

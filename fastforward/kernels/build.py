@@ -2,8 +2,9 @@
 
 The library is compiled for the machine it runs on (``-march=native``) on first use and cached
 under ``~/.cache/fastforward/kernels/<key>``, the key hashing the sources, the flags, the torch
-version and the CPU's feature flags, so a changed source or a different CPU rebuilds. A machine
-without a C++ compiler gets ``None`` and the engine keeps the plain PyTorch paths.
+version and the CPU's feature flags, so a changed source or a different CPU rebuilds. Where the
+build fails (no compiler, no ninja, a compile error) the result says why and the engine keeps
+the plain PyTorch paths.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ class GatedActivation(nn.Module):
         self.kernel_ok = hidden_act == "silu" or self.gelu_tanh
         if hidden_act == "silu":
             self.act = F.silu
-        elif hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
+        elif self.gelu_tanh:
             self.act = lambda x: F.gelu(x, approximate="tanh")
         elif hidden_act == "gelu":
             self.act = F.gelu

@@ -72,16 +72,20 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos_sin`` may be passed in when several layers share positions and RoPE. With
-        ``use_kernel`` q and k are rotated in place (they may be views of a fused qkv)."""
-        if self.use_kernel:
-            n = int(positions.max()) + 1 if positions.numel() else 1
-            table = self._table(positions.device, n)
-            torch.ops.fastforward.rope_(q, positions, table)
-            torch.ops.fastforward.rope_(k, positions, table)
-            return q, k
+        """``cos_sin`` may be passed in when several layers share positions and RoPE."""
         cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate_in_place(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, num_positions: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C++ kernel's RoPE: q and k (views of a fused qkv allowed) rotated in place.
+        ``num_positions`` bounds ``positions`` (the step's longest sequence); the kernel
+        checks every position against the table."""
+        table = self._table(positions.device, num_positions)
+        torch.ops.fastforward.rope_(q, positions, table)
+        torch.ops.fastforward.rope_(k, positions, table)
+        return q, k
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
         rope = self.rotary
         key = ("rope", rope.rope, rope.head_dim)  # layers with equal RoPE share the table
         if rope.use_kernel:  # in place, no per-step tables
-            q, k = rope(positions, q, k)
+            q, k = rope.rotate_in_place(positions, q, k, meta.max_seq_len)
         else:
             cos_sin = meta.cached(key, lambda: rope.cos_sin(positions, q.dtype))
             q, k = rope(positions, q, k, cos_sin)
