@@ -40,6 +40,7 @@ from fastforward.runner import ModelRunner
 from fastforward.sampling_params import SamplingParams
 from fastforward.scheduler import Scheduler, SchedulerStats
 from fastforward.scoring import score_tokens
+from fastforward.structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,12 @@ class LLMEngine:
             ),
         )
         self.runner = ModelRunner(self.model, self.kv_config, self.device, self.dtype)
-        self.sampler = Sampler(seed=args.seed)
+        self.grammars = GrammarCompiler(
+            self.tokenizer.backend.to_str(),
+            self.model_config.vocab_size,
+            self.tokenizer.eos_token_id,
+        )
+        self.sampler = Sampler(seed=args.seed, grammars=self.grammars)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parents: dict[str, ParentState] = {}
         self.seq_states: dict[str, SequenceState] = {}
@@ -186,9 +192,15 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)
         parent = ParentState(request_id, prompt_text, prompt_ids)
         for i in range(params.n):
-            parent.sequences.append(self._make_sequence(parent, i, params))
+            seq = self._make_sequence(parent, i, params)
+            if grammar is not None:
+                seq.request.grammar = self.grammars.matcher(grammar)
+            parent.sequences.append(seq)
         self.parents[request_id] = parent
         for seq in parent.sequences:
             self.seq_states[seq.request.request_id] = seq
@@ -271,7 +283,10 @@ class LLMEngine:
         except Exception as e:  # never leave requests hanging on a failed step
             logger.exception("engine step failed")
             return self._fail([s.request for s in sched.scheduled], f"engine error: {e}")
+        for rid, scored in result.prompt_logprobs.items():
+            self.seq_states[rid].request.prompt_logprobs.extend(scored)
         by_id = {r.request_id: tok for r, tok in zip(result.requests, sampled, strict=True)}
+        broken = self._advance_grammars(result.requests, sampled)
         updated = self.scheduler.update(sched, {rid: t.token_id for rid, t in by_id.items()})
         touched: dict[str, ParentState] = {}
         for req in updated:
@@ -281,12 +296,33 @@ class LLMEngine:
             self._process_text(seq)
             parent = self._parent_of(req.request_id)
             touched[parent.request_id] = parent
+        for req in broken:
+            if not req.is_finished:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+            parent = self._parent_of(req.request_id)
+            parent.error = f"structured output: {req.grammar.get_error() or 'token rejected'}"
+            touched[parent.request_id] = parent
         return [self._emit(p) for p in touched.values()]
+
+    def _advance_grammars(self, requests: list[Request], sampled: list) -> list[Request]:
+        """Feed each structured-output request its sampled token; returns those whose matcher
+        rejected it (which the mask should make impossible)."""
+        broken = []
+        for req, tok in zip(requests, sampled, strict=True):
+            if req.grammar is not None and not req.grammar.consume_token(tok.token_id):
+                broken.append(req)
+        return broken
 
     def _process_text(self, seq: SequenceState) -> None:
         stop = self.output_processor.process(seq)
+        req = seq.request
+        if stop is None and req.grammar is not None and not req.is_finished:
+            if req.grammar.is_stopped():  # the grammar is complete: nothing more may follow
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                req.status = RequestStatus.FINISHED_STOPPED
+                self.output_processor.process(seq)  # flush the held-back text
+            return
         if stop is not None:
-            req = seq.request
             if not req.is_finished:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             req.status = RequestStatus.FINISHED_STOPPED

@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 from fastforward.detokenizer import IncrementalDetokenizer
 from fastforward.layers.sampler import SampledToken
 from fastforward.loader.tokenizer import Tokenizer
-from fastforward.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from fastforward.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from fastforward.request import Request
 
 
@@ -31,6 +37,7 @@ class ParentState:
     prompt_token_ids: list[int]
     sequences: list[SequenceState] = field(default_factory=list)
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # built once the prompt is fully scored
 
     @property
     def finished(self) -> bool:
@@ -86,7 +93,24 @@ class OutputProcessor:
             metrics=metrics,
             num_cached_tokens=first.num_cached_tokens,
             error=parent.error,
+            prompt_logprobs=self._prompt_logprobs(parent),
         )
+
+    def _prompt_logprobs(self, parent: ParentState) -> PromptLogprobs | None:
+        first = parent.sequences[0].request
+        if parent.prompt_logprobs is None and (
+            first.sampling_params.prompt_logprobs is not None and not first.needs_prompt_logprobs
+        ):
+            entries: PromptLogprobs = [None]
+            for t in first.prompt_logprobs:
+                entry = {
+                    tid: Logprob(lp, k + 1, self._piece(tid)) for k, (tid, lp) in enumerate(t.top)
+                }
+                if t.token_id not in entry:
+                    entry[t.token_id] = Logprob(t.logprob, t.rank, self._piece(t.token_id))
+                entries.append(entry)
+            parent.prompt_logprobs = entries
+        return parent.prompt_logprobs
 
     @staticmethod
     def _completion(index: int, seq: SequenceState) -> CompletionOutput:

@@ -14,6 +14,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token and the top-N alternatives).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token, as vLLM: None for the first (nothing predicts it), then a dict with
+# the prompt token and the top-N alternatives.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -58,3 +61,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     extra: dict = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set

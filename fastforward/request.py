@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastforward.sampling_params import SamplingParams
 
@@ -46,6 +47,11 @@ class Request:
     finished_time: float | None = None
     # Per generated token: (sampled logprob, {token id: (logprob, rank)}) when logprobs requested.
     output_logprobs: list = field(default_factory=list)
+    # Prompt token i + 1 scored from position i: ``PromptTokenLogprobs`` in prompt order, filled
+    # chunk by chunk during prefill when ``sampling_params.prompt_logprobs`` is set.
+    prompt_logprobs: list = field(default_factory=list)
+    # llguidance matcher of a structured-output request: fed every generated token.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -66,6 +72,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True until every prompt token after the first has been scored (such a request must
+        compute its whole prompt: prefix-cache hits would skip the logits it needs)."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -3,7 +3,7 @@ batch, and returns the logits of the tokens that need sampling."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -11,6 +11,7 @@ from torch import nn
 
 from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
 from fastforward.kv.spec import KVCacheConfig
+from fastforward.layers.logprobs import TokenLogprob, score_positions
 from fastforward.request import Request
 from fastforward.scheduler_output import SchedulerOutput
 
@@ -22,12 +23,24 @@ class BatchInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S] rows of the flat batch whose next token is sampled
     sample_requests: list[Request]
+    prompt_scoring: list[PromptScoring] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PromptScoring:
+    """Rows ``rows`` of the flat batch predict prompt tokens ``targets`` of ``request``."""
+
+    request: Request
+    rows: list[int]
+    targets: list[int]
 
 
 @dataclass(slots=True)
 class StepResult:
     logits: torch.Tensor  # [S, vocab] float32
     requests: list[Request]  # row i of logits belongs to requests[i]
+    # request id -> logprobs of the prompt tokens this step scored (prompt_logprobs requests)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -90,6 +103,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=to(query_start[1:][sample_rows] - 1),
             sample_requests=[sched.scheduled[i].request for i in sample_rows],
+            prompt_scoring=_prompt_scoring(sched, query_start),
         )
 
     def _group_metadata(
@@ -112,4 +126,27 @@ class ModelRunner:
         batch = self.prepare(sched)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return StepResult(logits=logits.float(), requests=batch.sample_requests)
+        prompt_lps = {}
+        for ps in batch.prompt_scoring:
+            rows = hidden[torch.tensor(ps.rows, device=hidden.device)]
+            top_n = [ps.request.sampling_params.prompt_logprobs] * len(ps.rows)
+            prompt_lps[ps.request.request_id] = score_positions(
+                self.model.compute_logits, rows, ps.targets, top_n
+            )
+        return StepResult(logits.float(), batch.sample_requests, prompt_lps)
+
+
+def _prompt_scoring(sched: SchedulerOutput, query_start: np.ndarray) -> list[PromptScoring]:
+    """Which rows score which prompt tokens: position ``j`` predicts prompt token ``j + 1``, for
+    the positions of this chunk not scored before (a preempted request is not scored twice)."""
+    out = []
+    for i, s in enumerate(sched.scheduled):
+        req = s.request
+        if not req.needs_prompt_logprobs:
+            continue
+        lo = max(s.start, len(req.prompt_logprobs))
+        hi = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
+        if lo < hi:
+            rows = [int(query_start[i]) + j - s.start for j in range(lo, hi)]
+            out.append(PromptScoring(req, rows, req.prompt_token_ids[lo + 1 : hi + 1]))
+    return out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fastforward.structured_outputs import StructuredOutputsParams
+
 # A bound on max_tokens that catches typos (1e9) without limiting real use; the engine
 # additionally caps generation at the model's context length.
 MAX_TOKENS_LIMIT = 1 << 20
@@ -29,9 +31,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per generated token
+    # Per prompt token (from the second on): its logprob and the top-N alternatives (vLLM).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Constrain the output to a JSON Schema / regex / choice / grammar (a dict of the same
+    # fields is accepted).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -71,10 +80,16 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
 
     @property
     def is_greedy(self) -> bool:

@@ -710,6 +710,112 @@ def test_metrics(client, server):
     assert after["fastforward_num_preemptions_total"] >= 0
 
 
+def test_echo_scores_the_prompt_like_offline(http, offline):
+    """``echo`` + ``logprobs`` with ``max_tokens: 0`` (how lm-evaluation-harness scores text):
+    the prompt's tokens with their logprobs, equal to offline ``prompt_logprobs``."""
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == prompt
+    lp = choice["logprobs"]
+    ids = offline.get_tokenizer().encode(prompt)
+    assert len(lp["tokens"]) == len(ids) and "".join(lp["tokens"]) == prompt
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = in_thread(
+        offline.generate, prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    )[0].prompt_logprobs
+    for i in range(1, len(ids)):
+        assert lp["token_logprobs"][i] == pytest.approx(want[i][ids[i]].logprob, abs=1e-4)
+        assert len(lp["top_logprobs"][i]) in (1, 2)
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
+
+    # with a completion, streamed: the prompt comes first, offsets run on past it
+    body = {**body, "max_tokens": 3, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert text.startswith(prompt) and len(tokens) == len(ids) + 3
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_perplexity_through_the_server_equals_offline(http, offline):
+    from fastforward.entrypoints.eval import windowed_perplexity
+
+    text = "It was the best of times, it was the worst of times, it was the age of wisdom."
+    ids = offline.get_tokenizer().encode(text)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0}
+    lps = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["token_logprobs"]
+    served = math.exp(-sum(lps[1:]) / (len(ids) - 1))
+    ppl, _ = in_thread(windowed_perplexity, offline, ids, len(ids), len(ids))
+    assert served == pytest.approx(ppl, rel=1e-4)
+
+
+def test_structured_outputs_over_http(client):
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 30},
+            "country": {"enum": ["France", "Italy", "Spain"]},
+            "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+        },
+        "required": ["city", "country"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    for stream in (False, True):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "A city in France as JSON."}])
+        r = client.chat.completions.create(
+            **kw, response_format=fmt, max_tokens=60, temperature=0, stream=stream
+        )
+        text = (
+            "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+            if stream
+            else r.choices[0].message.content
+        )
+        jsonschema.validate(json.loads(text), schema)
+    r = client.chat.completions.create(
+        **kw, response_format={"type": "json_object"}, max_tokens=60, temperature=0
+    )
+    assert r.choices[0].finish_reason == "length" or isinstance(
+        json.loads(r.choices[0].message.content), dict
+    )
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Is the sky blue? Answer:",
+        max_tokens=5,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    assert r.choices[0].text in ("yes", "no")
+    r = client.completions.create(
+        model=MODEL,
+        prompt="A date:",
+        max_tokens=20,
+        extra_body={"structured_outputs": {"regex": "20[0-9]{2}-[01][0-9]-[0-3][0-9]"}},
+    )
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", r.choices[0].text)
+
+
+def test_tokenize_detokenize(http, offline):
+    tok = offline.get_tokenizer()
+    r = http.post(
+        "/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True}
+    ).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"])
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"]) and r["max_model_len"] > 0
+    chat = http.post("/tokenize", json={"messages": QUESTION}).json()
+    text = tok.apply_chat_template(QUESTION, add_generation_prompt=True)
+    assert chat["tokens"] == tok.encode(text, add_special_tokens=False)
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {
+        "prompt": "Hello world"
+    }
+    assert_error(http.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
+    assert_error(http.post("/tokenize", json={}), 400, "prompt")
+    assert_error(http.post("/tokenize", json={"prompt": "a", "model": "gpt-4"}), 404, "model")
+
+
 # ---- errors --------------------------------------------------------------------------------
 
 CMPL = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
@@ -741,8 +847,28 @@ CHAT = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
         ("/v1/completions", {**CMPL, "max_tokens": 10**9}, "max_tokens"),
         ("/v1/completions", {**CMPL, "temperature": None, "top_p": 0}, "top_p"),
-        ("/v1/completions", {**CMPL, "echo": True}, "echo"),
         ("/v1/completions", {**CMPL, "logit_bias": {"42": 5}}, "logit_bias"),
+        ("/v1/completions", {**CMPL, "max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+        ("/v1/chat/completions", {**CHAT, "guided_regex": "(("}, "guided_regex"),
+        ("/v1/chat/completions", {**CHAT, "guided_choice": []}, "guided_choice"),
+        ("/v1/completions", {**CMPL, "guided_json": {"type": "nope"}}, "guided_json"),
+        ("/v1/completions", {**CMPL, "guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ("/v1/completions", {**CMPL, "structured_outputs": {"jsn": {}}}, "structured_outputs"),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "n",
+                        "schema": {"type": "integer", "minimum": 3, "maximum": 1},
+                    },
+                },
+            },
+            "response_format",
+        ),
         ("/v1/completions", {**CMPL, "stop": [""]}, "stop"),
     ],
 )

@@ -126,6 +126,13 @@ COMMON = {
     "min_tokens": f(st.integers(0, 4), small_int | huge_ints),
     "stop_token_ids": f(st.lists(st.integers(0, VOCAB - 1), max_size=3), bad_ids),
     "include_stop_str_in_output": f(st.booleans()),
+    "response_format": f(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+        st.fixed_dictionaries({"type": texts, "json_schema": junk}),
+    ),
+    "guided_regex": f(st.sampled_from(["[a-z]{1,8}", "(yes|no)"]), texts),
+    "guided_choice": f(st.lists(good_text, min_size=1, max_size=3), st.lists(texts, max_size=3)),
+    "guided_json": f(st.just({"type": "object"}), junk),
     "skip_special_tokens": f(st.booleans()),
 }
 
@@ -137,7 +144,7 @@ COMPLETION = {
     ),
     "max_tokens": f(st.integers(1, 24) | st.none(), small_int | huge_ints | st.just(MAX_MODEL_LEN)),
     "logprobs": f(st.integers(0, 5) | st.none(), st.integers(-1, 25) | huge_ints),
-    "echo": f(st.just(False), st.booleans()),
+    "echo": f(st.booleans()),
     "suffix": f(st.none(), texts),
     "best_of": f(st.none() | st.just(1), st.integers(-1, 3)),
 }

@@ -77,18 +77,29 @@ def engine_options(fmt: str) -> tuple[str, str | None]:
     return "bfloat16", parse_quantization(fmt).name
 
 
-def windowed_perplexity(engine, ids: list[int], window: int, stride: int) -> tuple[float, int]:
-    """exp(mean NLL) over ``ids``, scoring each token once (HF's strided perplexity)."""
-    nll, count, prev_end = 0.0, 0, 0
+def windowed_perplexity(llm, ids: list[int], window: int, stride: int) -> tuple[float, int]:
+    """exp(mean NLL) over ``ids``, scoring each token once (HF's strided perplexity).
+
+    Every window is one request with ``prompt_logprobs=0`` (the path the server's
+    ``echo``/``logprobs`` uses), all submitted together so the engine batches them."""
+    from fastforward.sampling_params import SamplingParams
+
+    spans, prev_end = [], 0
     for begin in range(0, len(ids) - 1, stride):
         end = min(begin + window, len(ids))
-        logprobs = engine.score(ids[begin:end])
-        new = min(end - prev_end, len(logprobs))
-        nll -= float(logprobs[-new:].sum())
-        count += new
+        spans.append((begin, end, end - prev_end if prev_end else end - begin - 1))
         prev_end = end
         if end == len(ids):
             break
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outs = llm.generate([ids[b:e] for b, e, _ in spans], params, use_tqdm=False)
+    nll, count = 0.0, 0
+    for (begin, end, new), out in zip(spans, outs, strict=True):
+        new = min(new, end - begin - 1)
+        window_ids = ids[begin:end]
+        entries = out.prompt_logprobs[len(window_ids) - new :]
+        nll -= sum(e[t].logprob for e, t in zip(entries, window_ids[-new:], strict=True))
+        count += new
     return float(torch.tensor(nll / count).exp()), count
 
 
@@ -122,7 +133,7 @@ def evaluate_format(cfg: EvalConfig, fmt: str, ids: list[int]) -> FormatResult:
     load_s = time.perf_counter() - start
     engine = llm.engine
     start = time.perf_counter()
-    ppl, count = windowed_perplexity(engine, ids, cfg.window, cfg.stride)
+    ppl, count = windowed_perplexity(llm, ids, cfg.window, cfg.stride)
     score_s = time.perf_counter() - start
     stats = weight_stats(engine.model)
     speed = decode_speed(llm, ids[:32], cfg.decode_tokens)

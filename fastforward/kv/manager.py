@@ -222,7 +222,7 @@ class KVCacheManager:
         longest hit no longer than the current length, so this ends).
         """
         no_hit = CacheHit(tuple([] for _ in self.managers))
-        if not self.enable_caching:
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return no_hit
         hashes = self.block_hashes(request, (request.num_tokens - 1) // self.block_size)
         num_blocks = len(hashes)

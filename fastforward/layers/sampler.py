@@ -6,7 +6,9 @@ creating one ``torch.Generator`` per *seeded* row.
 
 Order of operations (vLLM v1):
 
-1. ``raw_logprobs = log_softmax(logits)`` when any row asks for logprobs (raw model logits).
+0. Structured-output rows: ``-inf`` for the tokens their grammar forbids.
+1. ``raw_logprobs = log_softmax(logits)`` when any row asks for logprobs (model logits, after
+   the grammar mask).
 2. Repetition penalty (prompt + output tokens), then frequency and presence penalties (output
    tokens only).
 3. ``min_tokens``: EOS and ``stop_token_ids`` get ``-inf`` while fewer tokens were generated.
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from fastforward.request import Request
+from fastforward.structured_outputs import GrammarCompiler, apply_grammar_masks
 
 # Temperatures below this are treated as greedy (dividing by them would overflow); as vLLM.
 _GREEDY_EPS = 1e-5
@@ -60,8 +63,9 @@ class Sampler:
     """Picks one token per row of a ``[B, V]`` logits tensor; row ``i`` belongs to
     ``requests[i]``. ``seed`` seeds the generator shared by unseeded rows."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, grammars: GrammarCompiler | None = None) -> None:
         self._base_seed = seed
+        self._grammars = grammars
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
@@ -74,6 +78,8 @@ class Sampler:
             return []
         params = [r.sampling_params for r in requests]
         logits = logits.to(torch.float32, copy=True)  # [B, V]; processed in place below
+        if self._grammars is not None:
+            apply_grammar_masks(logits, requests, self._grammars)
 
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):

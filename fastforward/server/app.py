@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fastforward.outputs import RequestOutput
+from fastforward.outputs import CompletionOutput, RequestOutput
 from fastforward.sampling_params import SamplingParams
 from fastforward.server.async_engine import AsyncEngine, QueueFullError
 from fastforward.server.openai_api import (
@@ -29,11 +29,19 @@ from fastforward.server.openai_api import (
     chat_logprobs,
     check_context,
     completion_logprobs,
+    constraint_field,
     created,
+    echo_logprobs,
+    join_logprobs,
     new_id,
     sampling_params,
 )
-from fastforward.server.protocol import ChatCompletionRequest, CompletionRequest
+from fastforward.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 logger = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
@@ -148,6 +156,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def chat(req: ChatCompletionRequest, raw: Request):
         return await api.chat(req, raw)
 
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        return api.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        return api.detokenize(req)
+
     return GuardMiddleware(app, config)  # type: ignore[return-value]
 
 
@@ -246,28 +262,76 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self._check_model(req.model)
-        for name in ("echo", "suffix"):
-            if getattr(req, name):
-                raise APIError(f"{name} is not supported yet", param=name)
+        if req.suffix:
+            raise APIError("suffix is not supported yet", param="suffix")
         if req.best_of not in (None, 1, req.n):
             raise APIError("best_of is not supported", param="best_of")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError("max_tokens must be at least 1 (0 only with echo)", param="max_tokens")
         prompts = self._completion_prompts(req.prompt)
-        params = sampling_params(req, req.max_tokens, req.logprobs)
+        # max_tokens=0 with echo scores the prompt only: one token is computed and dropped.
+        params = sampling_params(req, req.max_tokens or 1, req.logprobs)
+        if req.echo and req.logprobs is not None:
+            params.prompt_logprobs = req.logprobs
+        await self._compile_constraint(req, params)
         for _, ids in prompts:
-            check_context(len(ids), req.max_tokens, self.max_model_len)
+            check_context(len(ids), req.max_tokens or 1, self.max_model_len)
         rid = new_id("cmpl")
         gens = [
             self.engine.generate(ids, params, f"{rid}-{i}", text)
             for i, (text, ids) in enumerate(prompts)
         ]
+        echoes = [text if text is not None else self._decode(ids) for text, ids in prompts]
         if req.stream:
             first = await _first_outputs(gens)
             return StreamingResponse(
-                self._stream_completion(rid, req, params, gens, first),
+                self._stream_completion(rid, req, params, gens, first, echoes),
                 media_type="text/event-stream",
             )
         finals = await _collect(gens, raw)
-        return self._completion_body(rid, req, params, finals)
+        return self._completion_body(rid, req, params, finals, echoes)
+
+    async def _compile_constraint(self, req, params: SamplingParams) -> None:
+        """Compile a schema/regex/grammar off the event loop (the engine then finds it cached);
+        a bad one is a 400 naming the request field."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.engine.grammars.compile, params.structured_outputs)
+        except ValueError as e:
+            field = constraint_field(req)
+            raise APIError(f"{field}: {e}", param=field) from None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_choice(
+        self,
+        req: CompletionRequest,
+        out: RequestOutput,
+        c: CompletionOutput,
+        sent: ChoiceState,
+        echo: str | None,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """Text and legacy logprobs of one choice past what ``sent`` says was sent. With
+        ``echo`` (the prompt) the first chunk starts with it and text offsets count it.
+        ``max_tokens=0`` drops the generated part."""
+        keep = req.max_tokens != 0
+        text = c.text[sent.sent_text :] if keep else ""
+        with_prompt = echo is not None and not sent.sent_echo
+        sent.sent_echo = sent.sent_echo or with_prompt
+        lp = None
+        if req.logprobs is not None:
+            offset = sent.sent_text + (len(echo) if echo is not None else 0)
+            lp = completion_logprobs(c, sent.sent_tokens, offset)
+            if not keep:
+                lp = {k: [] for k in lp}
+            if with_prompt:
+                lp = join_logprobs(echo_logprobs(out, self._piece), lp)
+        return (echo if with_prompt else "") + text, lp
 
     def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
@@ -292,17 +356,23 @@ class OpenAIServing:
         return out
 
     def _completion_body(
-        self, rid: str, req: CompletionRequest, params: SamplingParams, finals: list[RequestOutput]
+        self,
+        rid: str,
+        req: CompletionRequest,
+        params: SamplingParams,
+        finals: list[RequestOutput],
+        echoes: list[str],
     ) -> dict[str, Any]:
         choices, usage = [], Usage()
         for i, out in enumerate(finals):
             usage.add(out)
             for c in out.outputs:
-                lp = completion_logprobs(c, 0, 0) if req.logprobs is not None else None
+                echo = echoes[i] if req.echo else None
+                text, lp = self._completion_choice(req, out, c, ChoiceState(), echo)
                 choices.append(
                     {
                         "index": i * params.n + c.index,
-                        "text": c.text,
+                        "text": text,
                         "logprobs": lp,
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
@@ -317,7 +387,7 @@ class OpenAIServing:
             "usage": usage.body(),
         }
 
-    async def _stream_completion(self, rid, req, params, gens, first) -> AsyncIterator[str]:
+    async def _stream_completion(self, rid, req, params, gens, first, echoes) -> AsyncIterator[str]:
         states: dict[int, ChoiceState] = {}
         usage = Usage()
         base = {
@@ -333,10 +403,8 @@ class OpenAIServing:
                     st = states.setdefault(idx, ChoiceState())
                     if st.finished:
                         continue
-                    delta = c.text[st.sent_text :]
-                    lp = None
-                    if req.logprobs is not None:
-                        lp = completion_logprobs(c, st.sent_tokens, st.sent_text)
+                    echo = echoes[i] if req.echo else None
+                    delta, lp = self._completion_choice(req, out, c, st, echo)
                     if delta or c.finish_reason or (lp and lp["tokens"]):
                         choice = {
                             "index": idx,
@@ -356,17 +424,52 @@ class OpenAIServing:
             yield _sse(APIError(str(e), status=500).body())
         yield "data: [DONE]\n\n"
 
+    # ---- /tokenize, /detokenize (vLLM) -------------------------------------------------
+
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            text = self._chat_text(req.messages, req.add_generation_prompt, None)
+            ids = _encode(self.tokenizer, text, "messages", add_special_tokens=False)
+        else:
+            ids = _encode(
+                self.tokenizer, req.prompt, "prompt", add_special_tokens=req.add_special_tokens
+            )
+        body: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.max_model_len,
+            "tokens": ids,
+        }
+        body["token_strs"] = (
+            self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        )
+        return body
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self._check_model(req.model)
+        vocab = self.engine.engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"token ids must be in [0, {vocab}), got {bad[0]}", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    def _chat_text(self, messages, add_generation_prompt: bool, tools) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                [m.model_dump(exclude_none=True) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+            )
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+
     # ---- /v1/chat/completions ----------------------------------------------------------
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self._check_model(req.model)
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools
-            )
-        except ValueError as e:
-            raise APIError(str(e), param="messages") from None
+        text = self._chat_text(req.messages, req.add_generation_prompt, req.tools)
         ids = _encode(self.tokenizer, text, "messages", add_special_tokens=False)
         max_tokens = req.max_completion_tokens or req.max_tokens
         top = req.top_logprobs or 0
@@ -374,6 +477,7 @@ class OpenAIServing:
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
         params = sampling_params(req, max_tokens, top if req.logprobs else None)
         check_context(len(ids), max_tokens, self.max_model_len)
+        await self._compile_constraint(req, params)
         rid = new_id("chatcmpl")
         gens = [self.engine.generate(ids, params, rid, text)]
         if req.stream:

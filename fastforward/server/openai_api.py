@@ -5,12 +5,14 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastforward.outputs import CompletionOutput, Logprob, RequestOutput
 from fastforward.sampling_params import SamplingParams
 from fastforward.server.protocol import ChatCompletionRequest, CompletionRequest
+from fastforward.structured_outputs import StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -73,12 +75,68 @@ def sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=structured_outputs(req),
         )
     except ValueError as e:
         message = str(e)
         # SamplingParams names the field first: "top_p must be ...", "max_tokens=9 is ..."
         field_name = re.match(r"[a-z_]+", message)
         raise APIError(message, param=field_name.group(0) if field_name else None) from None
+
+
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def structured_outputs(
+    req: CompletionRequest | ChatCompletionRequest,
+) -> StructuredOutputsParams | None:
+    """The one output constraint of a request, from ``response_format`` (OpenAI),
+    ``structured_outputs`` or ``guided_*`` (vLLM); a 400 naming the field when it is unclear."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    for name in ("response_format", "structured_outputs", *_GUIDED):
+        value = getattr(req, name)
+        if value is None:
+            continue
+        try:
+            if name == "response_format":
+                so = _response_format(value)
+            elif name == "structured_outputs":
+                so = StructuredOutputsParams(**value)
+            else:
+                so = StructuredOutputsParams(**{_GUIDED[name]: value})
+        except (TypeError, ValueError) as e:
+            raise APIError(f"{name}: {e}", param=name) from None
+        if so is not None:
+            found.append((name, so))
+    if len(found) > 1:
+        names = ", ".join(n for n, _ in found)
+        raise APIError(f"give one output constraint, not several ({names})", param=found[1][0])
+    return found[0][1] if found else None
+
+
+def constraint_field(req: CompletionRequest | ChatCompletionRequest) -> str:
+    """The request field that carries its output constraint (for error messages)."""
+    names = ("response_format", "structured_outputs", *_GUIDED)
+    return next((n for n in names if getattr(req, n) is not None), "response_format")
+
+
+def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None:
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError("json_schema needs a 'schema' (as {'name': ..., 'schema': {...}})")
+        return StructuredOutputsParams(json=spec["schema"])
+    raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
@@ -100,6 +158,7 @@ class ChoiceState:
     sent_text: int = 0
     sent_tokens: int = 0
     sent_role: bool = False
+    sent_echo: bool = False  # completions with echo: the prompt went out in the first chunk
     finished: bool = False
 
 
@@ -168,6 +227,35 @@ def completion_logprobs(c: CompletionOutput, start: int, text_offset: int) -> di
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def echo_logprobs(out: RequestOutput, piece: Callable[[int], str]) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's ``logprobs``: the first token has no
+    logprob (nothing predicts it), the others their logprob and top alternatives."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = 0
+    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    for token_id, entry in zip(out.prompt_token_ids, entries, strict=True):
+        scored = entry.get(token_id) if entry else None
+        text = scored.decoded_token if scored and scored.decoded_token is not None else None
+        text = piece(token_id) if text is None else text
+        tokens.append(text)
+        token_lps.append(scored.logprob if scored else None)
+        tops.append(
+            {lp.decoded_token or "": lp.logprob for lp in _ranked(entry)} if entry else None
+        )
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    return {k: first[k] + second[k] for k in first}
 
 
 def chat_logprobs(c: CompletionOutput, start: int, top_n: int) -> dict[str, Any]:
