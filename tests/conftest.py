@@ -105,3 +105,13 @@ def smollm2_path() -> Path:
     from fastforward.hub import pull
 
     return pull("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_path):
+    """HF transformers' SmolLM2-135M on the same GGUF weights, fp32 (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()

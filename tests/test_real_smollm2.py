@@ -20,15 +20,6 @@ NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
-    ).eval()
-
-
-@pytest.fixture(scope="module")
 def llm(smollm2_path):
     return LLM(str(smollm2_path), dtype="float32")
 
