@@ -34,29 +34,22 @@ from fastforward.structured_outputs import StructuredOutputsParams  # noqa: E402
 
 
 class MaskTimer:
-    """Wraps the sampler's mask step and the engine's matcher step to time them."""
+    """Wraps the sampler's mask step and the engine's matcher step (once) to time them."""
 
     def __init__(self, llm: LLM) -> None:
         self.seconds = 0.0
-        engine = llm.engine
-        inner_mask, inner_advance = sampler_module.apply_grammar_masks, engine._advance_grammars
+        sampler_module.apply_grammar_masks = self._timed(sampler_module.apply_grammar_masks)
+        llm.engine._advance_grammars = self._timed(llm.engine._advance_grammars)
 
-        def timed_mask(*a, **k):
-            t = time.perf_counter()
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
             try:
-                return inner_mask(*a, **k)
+                return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t
+                self.seconds += time.perf_counter() - start
 
-        def timed_advance(*a, **k):
-            t = time.perf_counter()
-            try:
-                return inner_advance(*a, **k)
-            finally:
-                self.seconds += time.perf_counter() - t
-
-        sampler_module.apply_grammar_masks = timed_mask
-        engine._advance_grammars = timed_advance
+        return timed
 
 
 def usable_schemas(llm: LLM, corpus):
@@ -70,7 +63,7 @@ def usable_schemas(llm: LLM, corpus):
     return ok, refused
 
 
-def run(llm: LLM, schemas, n: int, max_tokens: int, batch: int) -> dict:
+def run(llm: LLM, timer: MaskTimer, schemas, n: int, max_tokens: int, batch: int) -> dict:
     jobs = []
     for i in range(n):
         item = schemas[i % len(schemas)]
@@ -83,7 +76,7 @@ def run(llm: LLM, schemas, n: int, max_tokens: int, batch: int) -> dict:
         )
         jobs.append((item, prompt_for(item), params))
     llm.engine.scheduler.config.max_num_seqs = batch
-    timer = MaskTimer(llm)
+    mask_before = timer.seconds
     start = time.perf_counter()
     outs = llm.generate([p for _, p, _ in jobs], [sp for _, _, sp in jobs])
     wall = time.perf_counter() - start
@@ -102,7 +95,7 @@ def run(llm: LLM, schemas, n: int, max_tokens: int, batch: int) -> dict:
         except (json.JSONDecodeError, jsonschema.ValidationError) as e:
             counts["invalid"] += 1
             failures.append({"schema": item.name, "text": c.text[:300], "error": str(e)[:300]})
-    mask_s = timer.seconds
+    mask_s = timer.seconds - mask_before
     return {
         "generations": n,
         "batch": batch,
@@ -130,12 +123,13 @@ def main() -> None:
     llm = LLM(args.model, max_num_seqs=32)
     schemas, refused = usable_schemas(llm, load_corpus())
     print(f"{len(schemas)} schemas usable, {len(refused)} refused by the grammar engine")
-    main_run = run(llm, schemas, args.n, args.max_tokens, batch=32)
+    timer = MaskTimer(llm)
+    main_run = run(llm, timer, schemas, args.n, args.max_tokens, batch=32)
     print(json.dumps({k: v for k, v in main_run.items() if k != "failures"}, indent=1))
     overhead = {}
     for batch in (1, 32):
         n = args.overhead_n if batch > 1 else max(8, args.overhead_n // 8)
-        r = run(llm, schemas, n, args.max_tokens, batch=batch)
+        r = run(llm, timer, schemas, n, args.max_tokens, batch=batch)
         overhead[batch] = {
             k: r[k] for k in ("generated_tokens", "wall_s", "mask_s", "mask_share_of_time")
         }

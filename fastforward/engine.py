@@ -137,7 +137,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_config, self.device, self.dtype)
         self.grammars = GrammarCompiler(
-            self.tokenizer.backend.to_str(),
+            self.tokenizer.backend,
             self.model_config.vocab_size,
             self.tokenizer.eos_token_id,
         )
@@ -316,16 +316,21 @@ class LLMEngine:
     def _process_text(self, seq: SequenceState) -> None:
         stop = self.output_processor.process(seq)
         req = seq.request
-        if stop is None and req.grammar is not None and not req.is_finished:
-            if req.grammar.is_stopped():  # the grammar is complete: nothing more may follow
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-                req.status = RequestStatus.FINISHED_STOPPED
-                self.output_processor.process(seq)  # flush the held-back text
+        # A complete grammar ends the request: nothing more may follow.
+        grammar_done = (
+            stop is None
+            and req.grammar is not None
+            and not req.is_finished
+            and req.grammar.is_stopped()
+        )
+        if stop is None and not grammar_done:
             return
-        if stop is not None:
-            if not req.is_finished:
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-            req.status = RequestStatus.FINISHED_STOPPED
+        if not req.is_finished:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        req.status = RequestStatus.FINISHED_STOPPED
+        if grammar_done:
+            self.output_processor.process(seq)  # now finished: flush the held-back text
+        else:
             req.stop_reason = stop
 
     def _parent_of(self, rid: str) -> ParentState:

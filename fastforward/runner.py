@@ -129,9 +129,11 @@ class ModelRunner:
         prompt_lps = {}
         for ps in batch.prompt_scoring:
             rows = hidden[torch.tensor(ps.rows, device=hidden.device)]
-            top_n = [ps.request.sampling_params.prompt_logprobs] * len(ps.rows)
             prompt_lps[ps.request.request_id] = score_positions(
-                self.model.compute_logits, rows, ps.targets, top_n
+                self.model.compute_logits,
+                rows,
+                ps.targets,
+                ps.request.sampling_params.prompt_logprobs,
             )
         return StepResult(logits.float(), batch.sample_requests, prompt_lps)
 

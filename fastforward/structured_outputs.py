@@ -155,8 +155,8 @@ class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` into validated llguidance grammars (cached) and
     makes one matcher per sequence. The tokenizer's vocabulary is read once, on first use."""
 
-    def __init__(self, backend_json: str, vocab_size: int, eos_token_id: int | None) -> None:
-        self._backend_json = backend_json
+    def __init__(self, backend: Any, vocab_size: int, eos_token_id: int | None) -> None:
+        self._backend = backend  # a ``tokenizers.Tokenizer``; serialized only on first use
         self._vocab_size = vocab_size
         self._eos = eos_token_id
         self._lltok = None
@@ -169,7 +169,7 @@ class GrammarCompiler:
             import llguidance
 
             self._lltok = llguidance.LLTokenizer(
-                self._backend_json, n_vocab=self._vocab_size, eos_token=self._eos
+                self._backend.to_str(), n_vocab=self._vocab_size, eos_token=self._eos
             )
         return self._lltok
 
@@ -180,50 +180,61 @@ class GrammarCompiler:
         grammar = self._grammars.get(key)
         if grammar is not None:
             return grammar
-        from llguidance import LLMatcher
-
         kind = params.kind
         try:
-            if kind in ("json", "json_object"):
-                schema = {"type": "object"} if kind == "json_object" else params.json
-                if isinstance(schema, str):
-                    try:
-                        schema = json.loads(schema)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"the JSON schema is not valid JSON ({e})") from None
-                if not isinstance(schema, dict | bool):
-                    raise ValueError("a JSON Schema must be an object or a boolean")
-                grammar = LLMatcher.grammar_from_json_schema(
-                    closed_objects(schema), defaults=JSON_OPTIONS
-                )
-            elif kind == "regex":
-                grammar = LLMatcher.grammar_from_regex(params.regex)
-            elif kind == "choice":
-                alternatives = " | ".join(json.dumps(c) for c in params.choice)
-                grammar = LLMatcher.grammar_from_lark(f"start: {alternatives}")
-            else:
-                grammar = LLMatcher.grammar_from_lark(params.grammar)
+            grammar, error = self._compile(params)
         except (ValueError, TypeError, RecursionError) as e:
             raise ValueError(f"invalid structured output {kind}: {e}") from None
-        error = LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if kind == "json":
-            # ``format`` is an annotation unless a validator opts in (JSON Schema 2019-09+):
-            # formats llguidance doesn't know are dropped, not refused. Any other keyword it
-            # can't enforce (uniqueItems, not, if/then, ...) refuses the schema: an output that
-            # doesn't validate is never produced silently.
-            dropped: set[str] = set()
-            while error and (m := _UNKNOWN_FORMAT.search(error)) and m.group(1) not in dropped:
-                dropped.add(m.group(1))
-                schema = _without_formats(closed_objects(schema), dropped)
-                grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-                error = LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error and not error.startswith("WARNING"):
-            what = {"json": "JSON schema", "json_object": "JSON schema"}.get(kind, kind)
+            what = "JSON schema" if kind in ("json", "json_object") else kind
             raise ValueError(f"invalid structured output {what}: {error.strip()}")
         if len(self._grammars) > 256:
             self._grammars.clear()
         self._grammars[key] = grammar
         return grammar
+
+    def _compile(self, params: StructuredOutputsParams) -> tuple[str, str]:
+        """(grammar, llguidance's validation message: empty when valid)."""
+        from llguidance import LLMatcher
+
+        kind = params.kind
+        if kind in ("json", "json_object"):
+            return self._json_grammar({"type": "object"} if kind == "json_object" else params.json)
+        if kind == "regex":
+            grammar = LLMatcher.grammar_from_regex(params.regex)
+        elif kind == "choice":
+            alternatives = " | ".join(json.dumps(c) for c in params.choice)
+            grammar = LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        else:
+            grammar = LLMatcher.grammar_from_lark(params.grammar)
+        return grammar, LLMatcher.validate_grammar(grammar, self.tokenizer)
+
+    def _json_grammar(self, schema: dict[str, Any] | str) -> tuple[str, str]:
+        """A JSON Schema's grammar, with objects closed (``closed_objects``).
+
+        ``format`` is an annotation unless a validator opts in (JSON Schema 2019-09+): formats
+        llguidance doesn't know are dropped, not refused. Any other keyword it can't enforce
+        (uniqueItems, not, if/then, ...) refuses the schema: an output that doesn't validate
+        is never produced silently."""
+        from llguidance import LLMatcher
+
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not valid JSON ({e})") from None
+        if not isinstance(schema, dict | bool):
+            raise ValueError("a JSON Schema must be an object or a boolean")
+        schema = closed_objects(schema)
+        dropped: set[str] = set()
+        while True:
+            grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            error = LLMatcher.validate_grammar(grammar, self.tokenizer)
+            unknown = _UNKNOWN_FORMAT.search(error) if error else None
+            if unknown is None or unknown.group(1) in dropped:
+                return grammar, error
+            dropped.add(unknown.group(1))
+            schema = _without_formats(schema, dropped)
 
     def matcher(self, grammar: str):
         from llguidance import LLMatcher

@@ -27,13 +27,13 @@ def score_positions(
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,
     targets: list[int],
-    top_n: list[int],
+    top_n: int,
     chunk_rows: int = 256,
 ) -> list[TokenLogprob]:
     """Row ``i`` of ``hidden`` [R, H] predicts ``targets[i]``; returns its logprob under
-    ``log_softmax(compute_logits(hidden[i]))`` (float32) with the ``top_n[i]`` alternatives."""
-    if hidden.shape[0] != len(targets) or len(targets) != len(top_n):
-        raise ValueError("hidden rows, targets and top_n must have the same length")
+    ``log_softmax(compute_logits(hidden[i]))`` (float32) with the ``top_n`` alternatives."""
+    if hidden.shape[0] != len(targets):
+        raise ValueError("hidden rows and targets must have the same length")
     out: list[TokenLogprob] = []
     for lo in range(0, len(targets), chunk_rows):
         hi = min(lo + chunk_rows, len(targets))
@@ -41,11 +41,10 @@ def score_positions(
         tgt = torch.tensor(targets[lo:hi], device=lp.device)
         picked = lp.gather(1, tgt[:, None])  # [r, 1]
         ranks = ((lp > picked).sum(dim=-1) + 1).tolist()
-        n = min(max(top_n[lo:hi]), lp.shape[1])
+        n = min(top_n, lp.shape[1])
         top_lp, top_ids = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
         top_lp, top_ids, picked = top_lp.tolist(), top_ids.tolist(), picked[:, 0].tolist()
         for j in range(hi - lo):
-            k = top_n[lo + j]
-            top = list(zip(top_ids[j][:k], top_lp[j][:k], strict=True))
+            top = list(zip(top_ids[j], top_lp[j], strict=True))
             out.append(TokenLogprob(targets[lo + j], picked[j], ranks[j], top))
     return out

@@ -31,7 +31,6 @@ from fastforward.server.openai_api import (
     completion_logprobs,
     constraint_field,
     created,
-    echo_logprobs,
     join_logprobs,
     new_id,
     sampling_params,
@@ -326,11 +325,15 @@ class OpenAIServing:
         lp = None
         if req.logprobs is not None:
             offset = sent.sent_text + (len(echo) if echo is not None else 0)
-            lp = completion_logprobs(c, sent.sent_tokens, offset)
-            if not keep:
-                lp = {k: [] for k in lp}
+            n = len(c.token_ids) if keep else sent.sent_tokens  # max_tokens=0: none of them
+            generated = (c.logprobs or [])[sent.sent_tokens : n]
+            lp = completion_logprobs(
+                c.token_ids[sent.sent_tokens : n], generated, offset, self._piece
+            )
             if with_prompt:
-                lp = join_logprobs(echo_logprobs(out, self._piece), lp)
+                prompt = out.prompt_token_ids
+                entries = out.prompt_logprobs or [None] * len(prompt)
+                lp = join_logprobs(completion_logprobs(prompt, entries, 0, self._piece), lp)
         return (echo if with_prompt else "") + text, lp
 
     def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:

@@ -90,6 +90,7 @@ _GUIDED = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
+_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
 
 
 def structured_outputs(
@@ -98,7 +99,7 @@ def structured_outputs(
     """The one output constraint of a request, from ``response_format`` (OpenAI),
     ``structured_outputs`` or ``guided_*`` (vLLM); a 400 naming the field when it is unclear."""
     found: list[tuple[str, StructuredOutputsParams]] = []
-    for name in ("response_format", "structured_outputs", *_GUIDED):
+    for name in _CONSTRAINT_FIELDS:
         value = getattr(req, name)
         if value is None:
             continue
@@ -121,8 +122,9 @@ def structured_outputs(
 
 def constraint_field(req: CompletionRequest | ChatCompletionRequest) -> str:
     """The request field that carries its output constraint (for error messages)."""
-    names = ("response_format", "structured_outputs", *_GUIDED)
-    return next((n for n in names if getattr(req, n) is not None), "response_format")
+    return next(
+        (n for n in _CONSTRAINT_FIELDS if getattr(req, n) is not None), _CONSTRAINT_FIELDS[0]
+    )
 
 
 def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None:
@@ -210,39 +212,27 @@ def engine_report(out: RequestOutput) -> dict[str, Any]:
 # ---- logprobs in the two OpenAI shapes ------------------------------------------------------
 
 
-def completion_logprobs(c: CompletionOutput, start: int, text_offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    token_ids: list[int],
+    entries: list[dict[int, Logprob] | None],
+    text_offset: int,
+    piece: Callable[[int], str],
+) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` of ``token_ids``, text offsets from ``text_offset``.
+    An entry of ``None`` (the first prompt token of an echo: nothing predicts it) gives a null
+    logprob and null top alternatives; ``piece`` spells a token no entry spells."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset
-    for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
-        sampled = entry.get(token_id) or Logprob(float("nan"))
-        piece = sampled.decoded_token or ""
-        tokens.append(piece)
-        token_lps.append(sampled.logprob)
-        tops.append({lp.decoded_token or "": lp.logprob for lp in _ranked(entry)})
-        offsets.append(offset)
-        offset += len(piece)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_lps,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
-
-
-def echo_logprobs(out: RequestOutput, piece: Callable[[int], str]) -> dict[str, Any]:
-    """The prompt's part of an echoed completion's ``logprobs``: the first token has no
-    logprob (nothing predicts it), the others their logprob and top alternatives."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    offset = 0
-    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-    for token_id, entry in zip(out.prompt_token_ids, entries, strict=True):
-        scored = entry.get(token_id) if entry else None
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        scored = (entry.get(token_id) or Logprob(float("nan"))) if entry is not None else None
         text = scored.decoded_token if scored and scored.decoded_token is not None else None
         text = piece(token_id) if text is None else text
         tokens.append(text)
         token_lps.append(scored.logprob if scored else None)
         tops.append(
-            {lp.decoded_token or "": lp.logprob for lp in _ranked(entry)} if entry else None
+            {lp.decoded_token or "": lp.logprob for lp in _ranked(entry)}
+            if entry is not None
+            else None
         )
         offsets.append(offset)
         offset += len(text)
