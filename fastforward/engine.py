@@ -10,7 +10,9 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, replace
+from typing import Any
 
+import numpy as np
 import torch
 
 from fastforward.config import SchedulerConfig
@@ -30,16 +32,20 @@ from fastforward.kv.spec import (
     SlidingWindowSpec,
     make_kv_cache_config,
 )
-from fastforward.layers.sampler import Sampler
+from fastforward.layers.sampler import SampledToken, Sampler
 from fastforward.loader.model_loader import load_model
 from fastforward.models.config import ModelConfig
 from fastforward.output_processor import OutputProcessor, ParentState, SequenceState
 from fastforward.outputs import RequestOutput
 from fastforward.request import Request, RequestStatus
-from fastforward.runner import ModelRunner
+from fastforward.runner import ModelRunner, StepResult
 from fastforward.sampling_params import SamplingParams
 from fastforward.scheduler import Scheduler, SchedulerStats
 from fastforward.scoring import score_tokens
+from fastforward.spec_decode.config import SpeculativeConfig
+from fastforward.spec_decode.model_drafter import DraftModelProposer, LayerSkipProposer
+from fastforward.spec_decode.proposer import NgramProposer, Proposer
+from fastforward.spec_decode.verifier import DraftVerifier
 from fastforward.structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -78,6 +84,10 @@ class EngineArgs:
     # auto: fastforward's C++ CPU kernels (paged attention; bf16 linears) where they build,
     # native: insist on them, torch: the plain PyTorch paths (the reference).
     kernels: str = "auto"
+    # Speculative decoding (fastforward.spec_decode.config.SpeculativeConfig, a dict of its
+    # fields or their JSON): {"method": "ngram" | "draft_model" | "layer_skip",
+    # "num_speculative_tokens": k, "model": draft, ...}; None: off.
+    speculative_config: Any = None
 
 
 def resolve_dtype(name: str | torch.dtype, fast_bf16: bool = False) -> torch.dtype:
@@ -109,14 +119,11 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.device = torch.device(args.device)
-        use_kernels, why_not = kernels_usable(args.kernels, self.device)
-        self.dtype = resolve_dtype(args.dtype, fast_bf16=use_kernels)
+        self.spec_config = SpeculativeConfig.parse(args.speculative_config)
+        self._use_kernels, self._why_no_kernels = kernels_usable(args.kernels, self.device)
+        self.dtype = resolve_dtype(args.dtype, fast_bf16=self._use_kernels)
         path = resolve_model(args.model, progress=args.download_progress)
-        loaded = load_model(path, self.dtype, self.device, args.quantization)
-        if use_kernels:
-            self.kernels = apply_cpu_kernels(loaded.model, self.dtype)
-        else:
-            self.kernels = KernelReport("torch", reason=why_not)
+        loaded, self.kernels = self._load(path, args.quantization)
         self.model, self.model_config, self.tokenizer = (
             loaded.model,
             loaded.config,
@@ -142,12 +149,62 @@ class LLMEngine:
             self.tokenizer.eos_token_id,
         )
         self.sampler = Sampler(seed=args.seed, grammars=self.grammars)
+        self.verifier = DraftVerifier(self.sampler, self.grammars)
+        self.proposer = self._make_proposer(self.spec_config)
+        self._spec_tokens = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parents: dict[str, ParentState] = {}
         self.seq_states: dict[str, SequenceState] = {}
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ set-up
+
+    def _load(self, path: str, quantization: str | None) -> tuple[Any, KernelReport]:
+        loaded = load_model(path, self.dtype, self.device, quantization)
+        if self._use_kernels:
+            return loaded, apply_cpu_kernels(loaded.model, self.dtype)
+        return loaded, KernelReport("torch", reason=self._why_no_kernels)
+
+    def _make_proposer(self, cfg: SpeculativeConfig | None) -> Proposer | None:
+        if cfg is None:
+            return None
+        if cfg.method == "ngram":
+            return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        num_layers = self.model_config.num_hidden_layers
+        if cfg.method == "layer_skip":
+            # Default: skip the middle quarter of the layers (the least missed without
+            # early-exit training; docs/speculative.md has the measurements).
+            skip = range(num_layers * 3 // 8, num_layers * 5 // 8)
+            layer_ids = cfg.draft_layers or tuple(i for i in range(num_layers) if i not in skip)
+            if max(layer_ids) >= num_layers or list(layer_ids) != sorted(set(layer_ids)):
+                raise ValueError(
+                    f"draft_layers must be increasing layer indices below {num_layers}, "
+                    f"got {list(layer_ids)}"
+                )
+            return LayerSkipProposer(self.runner, self.scheduler.kv, self.sampler, layer_ids)
+        return self._draft_model_proposer(cfg)
+
+    def _draft_model_proposer(self, cfg: SpeculativeConfig) -> DraftModelProposer:
+        path = resolve_model(cfg.model, progress=self.args.download_progress)
+        loaded, _ = self._load(path, cfg.quantization)
+        if loaded.config.vocab_size != self.model_config.vocab_size or (
+            loaded.tokenizer.backend.get_vocab() != self.tokenizer.backend.get_vocab()
+        ):
+            raise ValueError(
+                f"draft model {cfg.model!r} does not share the target's tokenizer "
+                f"(vocab {loaded.config.vocab_size} vs {self.model_config.vocab_size})"
+            )
+        specs = kv_specs(loaded.config, self.args.block_size, self.dtype)
+        per_seq = -(-(cfg.num_speculative_tokens + 1) // self.args.block_size) + 1
+        groups = len(make_kv_cache_config(specs, num_blocks=2).groups)
+        num_blocks = 1 + groups * (
+            self.kv_config.capacity_tokens // self.args.block_size
+            + self.args.max_num_seqs * per_seq
+        )
+        kv_config = make_kv_cache_config(specs, num_blocks=num_blocks)
+        runner = ModelRunner(loaded.model, kv_config, self.device, self.dtype)
+        kv = KVCacheManager(kv_config, enable_caching=False)
+        return DraftModelProposer(runner, kv, self.sampler, self.args.max_num_batched_tokens)
 
     def _resolve_max_model_len(self, requested: int | None) -> int:
         limit = self.model_config.max_position_embeddings
@@ -266,6 +323,7 @@ class LLMEngine:
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
             self.seq_states.pop(rid, None)
+        self._release_drafts()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
@@ -274,25 +332,35 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of requests that progressed."""
+        self._propose()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         try:
             result = self.runner.execute(sched)
-            sampled = self.sampler(result.logits, result.requests)
+            sampled = self._sample(result)
         except Exception as e:  # never leave requests hanging on a failed step
             logger.exception("engine step failed")
             return self._fail([s.request for s in sched.scheduled], f"engine error: {e}")
         for rid, scored in result.prompt_logprobs.items():
             self.seq_states[rid].request.prompt_logprobs.extend(scored)
-        by_id = {r.request_id: tok for r, tok in zip(result.requests, sampled, strict=True)}
-        broken = self._advance_grammars(result.requests, sampled)
-        updated = self.scheduler.update(sched, {rid: t.token_id for rid, t in by_id.items()})
+        by_id = {r.request_id: toks for r, toks in zip(result.requests, sampled, strict=True)}
+        before = {r.request_id: r.num_output_tokens for r in result.requests}
+        updated = self.scheduler.update(
+            sched, {rid: [t.token_id for t in toks] for rid, toks in by_id.items()}
+        )
         touched: dict[str, ParentState] = {}
+        broken = []
         for req in updated:
             seq = self.seq_states[req.request_id]
-            if req.request_id in by_id:
-                self.output_processor.record_logprobs(seq, by_id[req.request_id])
+            # Tokens after one that stopped the request were dropped by the scheduler.
+            gained = by_id[req.request_id][: req.num_output_tokens - before[req.request_id]]
+            for tok in gained:
+                self.output_processor.record_logprobs(seq, tok)
+            if req.grammar is not None and not all(
+                req.grammar.consume_token(t.token_id) for t in gained
+            ):
+                broken.append(req)  # the mask should make this impossible
             self._process_text(seq)
             parent = self._parent_of(req.request_id)
             touched[parent.request_id] = parent
@@ -302,16 +370,82 @@ class LLMEngine:
             parent = self._parent_of(req.request_id)
             parent.error = f"structured output: {req.grammar.get_error() or 'token rejected'}"
             touched[parent.request_id] = parent
+        self._release_drafts()
         return [self._emit(p) for p in touched.values()]
 
-    def _advance_grammars(self, requests: list[Request], sampled: list) -> list[Request]:
-        """Feed each structured-output request its sampled token; returns those whose matcher
-        rejected it (which the mask should make impossible)."""
-        broken = []
-        for req, tok in zip(requests, sampled, strict=True):
-            if req.grammar is not None and not req.grammar.consume_token(tok.token_id):
-                broken.append(req)
-        return broken
+    def _sample(self, result: StepResult) -> list[list[SampledToken]]:
+        """The tokens each request of the step gains: one sampled token, or for a request
+        verifying drafts the accepted ones and one more."""
+        reqs, ks = result.requests, result.num_spec
+        if not any(ks):
+            return [[t] for t in self.sampler(result.logits, reqs)]
+        starts = np.concatenate([[0], np.cumsum(np.asarray(ks) + 1)])
+        out: list[list[SampledToken]] = [[] for _ in reqs]
+        plain = [i for i, k in enumerate(ks) if k == 0]
+        if plain:
+            rows = self.sampler(result.logits[starts[plain]], [reqs[i] for i in plain])
+            for i, tok in zip(plain, rows, strict=True):
+                out[i] = [tok]
+        spec = [i for i, k in enumerate(ks) if k > 0]
+        rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in spec])
+        verified = self.verifier(
+            result.logits[torch.from_numpy(rows)], [reqs[i] for i in spec], [ks[i] for i in spec]
+        )
+        for i, toks in zip(spec, verified, strict=True):
+            out[i] = toks
+        return out
+
+    def set_speculative_tokens(self, k: int) -> None:
+        """Change the number of draft tokens per step at run time (0: no speculation), e.g.
+        to sweep k without reloading the models."""
+        if self.spec_config is None:
+            raise ValueError("the engine was started without a speculative_config")
+        if not isinstance(k, int) or not 0 <= k <= 16:
+            raise ValueError(f"the number of speculative tokens must be in [0, 16], got {k!r}")
+        self._spec_tokens = k
+
+    def _propose(self) -> None:
+        """Drafts for the running requests that are decoding, verified by the next step."""
+        if self.proposer is None or not self._spec_tokens:
+            return
+        cfg = self.spec_config
+        running = self.scheduler.running
+        if cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size:
+            return
+        cands, ks = [], []
+        for r in running:
+            k = self._num_drafts(r) if r.num_tokens - r.num_computed_tokens == 1 else 0
+            if k > 0:
+                cands.append(r)
+                ks.append(k)
+        if not cands:
+            return
+        try:
+            drafts = self.proposer.propose(cands, ks)
+        except Exception:  # a failed draft costs speed, never the request
+            logger.exception("speculative proposer failed; this step runs without drafts")
+            return
+        for r, k, d in zip(cands, ks, drafts, strict=True):
+            toks = d.token_ids[:k]
+            if r.grammar is not None and toks:  # drafts the grammar forbids are never verified
+                toks = toks[: r.grammar.validate_tokens(toks)]
+            r.spec_token_ids = toks
+            r.spec_draft_probs = d.probs[: len(toks)] if d.probs is not None and toks else None
+
+    def _release_drafts(self) -> None:
+        """Drafter state (a draft model's KV) is kept for running requests only."""
+        if self.proposer is not None:
+            self.proposer.release({r.request_id for r in self.scheduler.running})
+
+    def _num_drafts(self, r: Request) -> int:
+        """k for this request: the configured number (adaptive: one more than its mean
+        accepted run so far), within what it may still generate and the context."""
+        cfg = self.spec_config
+        k = self._spec_tokens
+        if cfg.adaptive and r.num_spec_steps:
+            k = max(1, min(k, int(r.num_accepted_tokens / r.num_spec_steps) + 1))
+        room = min(r.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens) - 1
+        return min(k, room)
 
     def _process_text(self, seq: SequenceState) -> None:
         stop = self.output_processor.process(seq)
@@ -355,6 +489,7 @@ class LLMEngine:
             ids = [s.request.request_id for s in parent.sequences]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
             outs.append(self._emit(parent))
+        self._release_drafts()
         return outs
 
     # ------------------------------------------------------------------ scoring

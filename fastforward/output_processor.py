@@ -68,11 +68,32 @@ class OutputProcessor:
         """Feed new tokens to the detokenizer; returns a stop string if one was hit."""
         req = seq.request
         new = req.output_token_ids[seq.num_processed :]
+        stop = None
+        # One token at a time: when a step gained several (speculative decoding), the output
+        # ends at the token that completed a stop string, as it would decoding one by one.
+        for i, token_id in enumerate(new):
+            stop = seq.detokenizer.update([token_id])
+            if stop is not None:
+                self._drop_last(seq, len(new) - i - 1)
+                break
         seq.num_processed = len(req.output_token_ids)
-        stop = seq.detokenizer.update(new) if new else None
         final = stop is not None or req.is_finished
         seq.text += seq.detokenizer.take_delta(final=final)
         return stop
+
+    @staticmethod
+    def _drop_last(seq: SequenceState, n: int) -> None:
+        """Remove the last ``n`` generated tokens (and their logprobs) of a sequence."""
+        if n <= 0:
+            return
+        req = seq.request
+        dropped = req.output_token_ids[-n:]
+        del req.output_token_ids[-n:]
+        del req.all_token_ids[-n:]
+        if seq.logprobs is not None:
+            for token_id, entry in zip(dropped, seq.logprobs[-n:], strict=True):
+                seq.cumulative_logprob -= entry[token_id].logprob
+            del seq.logprobs[-n:]
 
     def make_output(self, parent: ParentState) -> RequestOutput:
         outputs = [self._completion(i, s) for i, s in enumerate(parent.sequences)]
@@ -83,6 +104,9 @@ class OutputProcessor:
             first_token_time=first.first_token_time,
             finished_time=first.finished_time if parent.finished else None,
             num_preemptions=sum(s.request.num_preemptions for s in parent.sequences),
+            num_draft_tokens=sum(s.request.num_draft_tokens for s in parent.sequences),
+            num_accepted_tokens=sum(s.request.num_accepted_tokens for s in parent.sequences),
+            num_spec_steps=sum(s.request.num_spec_steps for s in parent.sequences),
         )
         return RequestOutput(
             request_id=parent.request_id,

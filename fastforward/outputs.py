@@ -28,6 +28,15 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens verified for this request, how many were accepted,
+    # and the steps that verified them.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -52,6 +52,14 @@ class Request:
     prompt_logprobs: list = field(default_factory=list)
     # llguidance matcher of a structured-output request: fed every generated token.
     grammar: Any = None
+    # Speculative decoding: tokens proposed to follow ``all_token_ids`` (verified next step),
+    # with the ``[k, V]`` distribution a draft model sampled them from (None: drafted
+    # deterministically, e.g. n-gram lookup or greedy). Counters: drafts proposed / accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Any = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0  # steps that verified drafts of this request
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -81,6 +89,10 @@ class Request:
             self.sampling_params.prompt_logprobs is not None
             and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
         )
+
+    def clear_drafts(self) -> None:
+        self.spec_token_ids = []
+        self.spec_draft_probs = None
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

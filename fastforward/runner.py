@@ -3,6 +3,7 @@ batch, and returns the logits of the tokens that need sampling."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,8 +22,11 @@ class BatchInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] rows of the flat batch whose next token is sampled
+    # [S] rows of the flat batch whose next token is sampled: one per request, 1 + k for a
+    # request verifying k draft tokens
+    logits_indices: torch.Tensor
     sample_requests: list[Request]
+    num_spec: list[int]  # drafts verified by each sample request
     prompt_scoring: list[PromptScoring] = field(default_factory=list)
 
 
@@ -38,7 +42,9 @@ class PromptScoring:
 @dataclass(slots=True)
 class StepResult:
     logits: torch.Tensor  # [S, vocab] float32
-    requests: list[Request]  # row i of logits belongs to requests[i]
+    # Rows of logits in request order: 1 + num_spec[i] rows belong to requests[i].
+    requests: list[Request]
+    num_spec: list[int]
     # request id -> logprobs of the prompt tokens this step scored (prompt_logprobs requests)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
@@ -75,9 +81,7 @@ class ModelRunner:
         """Flatten the scheduled chunks of all requests into one batch."""
         starts = np.array([s.start for s in sched.scheduled], dtype=np.int64)
         lens = np.array([s.num_new_tokens for s in sched.scheduled], dtype=np.int64)
-        tokens = np.concatenate(
-            [s.request.all_token_ids[s.start : s.start + s.num_new_tokens] for s in sched.scheduled]
-        )
+        tokens = np.concatenate([s.token_ids for s in sched.scheduled])
         seq_of_token = np.repeat(np.arange(len(lens)), lens)
         query_start = np.concatenate([[0], np.cumsum(lens)])
         positions = starts[seq_of_token] + (np.arange(len(tokens)) - query_start[seq_of_token])
@@ -97,12 +101,21 @@ class ModelRunner:
             groups=groups,
         )
         sample_rows = [i for i, s in enumerate(sched.scheduled) if s.sample]
+        num_spec = [sched.scheduled[i].num_spec_tokens for i in sample_rows]
+        ends = query_start[1:][sample_rows]
+        if any(num_spec):
+            logits_rows = np.concatenate(
+                [np.arange(end - 1 - k, end) for end, k in zip(ends, num_spec, strict=True)]
+            )
+        else:
+            logits_rows = ends - 1
         return BatchInputs(
             input_ids=to(tokens),
             positions=to(positions),
             meta=meta,
-            logits_indices=to(query_start[1:][sample_rows] - 1),
+            logits_indices=to(logits_rows),
             sample_requests=[sched.scheduled[i].request for i in sample_rows],
+            num_spec=num_spec,
             prompt_scoring=_prompt_scoring(sched, query_start),
         )
 
@@ -122,9 +135,11 @@ class ModelRunner:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
+    def execute(self, sched: SchedulerOutput, layer_ids: Sequence[int] | None = None) -> StepResult:
+        """One forward pass over the scheduled tokens; ``layer_ids`` runs only those layers
+        (a self-speculative draft)."""
         batch = self.prepare(sched)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, layer_ids)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         prompt_lps = {}
         for ps in batch.prompt_scoring:
@@ -135,7 +150,7 @@ class ModelRunner:
                 ps.targets,
                 ps.request.sampling_params.prompt_logprobs,
             )
-        return StepResult(logits.float(), batch.sample_requests, prompt_lps)
+        return StepResult(logits.float(), batch.sample_requests, batch.num_spec, prompt_lps)
 
 
 def _prompt_scoring(sched: SchedulerOutput, query_start: np.ndarray) -> list[PromptScoring]:

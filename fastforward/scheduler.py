@@ -41,6 +41,22 @@ class SchedulerStats:
     # of them were served from the cache (readmissions after preemption included).
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Speculative decoding since start: request-steps that verified drafts, drafts verified,
+    # drafts accepted.
+    spec_verifications: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens gained per verification: accepted drafts plus the one the target adds."""
+        if not self.spec_verifications:
+            return 0.0
+        return 1.0 + self.spec_accepted_tokens / self.spec_verifications
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -61,6 +77,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Speculative decoding since start: verification steps, drafts verified, accepted.
+        self.num_spec_verifications = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -147,12 +167,26 @@ class Scheduler:
             if n <= 0:  # nothing to compute until it gets a token; not expected
                 i += 1
                 continue
-            if not self._allocate_or_preempt(request, n, output.preempted):
+            k = self._num_spec_tokens(request, n, budget)
+            if not self._allocate_or_preempt(request, n + k, output.preempted):
                 break  # the request itself was preempted: everything after it already was
-            output.scheduled.append(self._scheduled(request, n))
-            budget -= n
+            output.scheduled.append(self._scheduled(request, n + k, k))
+            budget -= n + k
             i += 1
         return budget
+
+    def _num_spec_tokens(self, request: Request, n: int, budget: int) -> int:
+        """Draft tokens to verify with this step's last known token: the request's drafts,
+        cut to the budget left (and to none while it still has a prompt chunk to compute)."""
+        drafts = request.spec_token_ids
+        if not drafts:
+            return 0
+        k = min(len(drafts), budget - n) if n == 1 else 0
+        if k < len(drafts):
+            request.spec_token_ids = drafts[:k]
+            if request.spec_draft_probs is not None:
+                request.spec_draft_probs = request.spec_draft_probs[:k] if k else None
+        return k
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: list[Request]) -> bool:
         """Allocate for ``request``, preempting the newest running requests until it fits.
@@ -172,6 +206,7 @@ class Scheduler:
         # Recompute, not swap: drop its KV and prefill prompt + output again when readmitted.
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.clear_drafts()
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -203,16 +238,20 @@ class Scheduler:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit
 
-    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(request, n, self.kv.get_block_ids(request))
+    def _scheduled(self, request: Request, n: int, num_spec: int = 0) -> ScheduledRequest:
+        return ScheduledRequest(request, n, self.kv.get_block_ids(request), num_spec)
 
     # ---- after the step --------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
         """Record a finished step: advance progress, append sampled tokens, check stops.
 
-        ``sampled`` maps request id to the token picked for every ``ScheduledRequest.sample``.
-        Returns the requests that got a token (finished ones included, with their status set).
+        ``sampled`` maps request id to the token picked for every ``ScheduledRequest.sample``,
+        or for a speculating request to its accepted drafts followed by one more token.
+        Rejected drafts are taken back: their positions count as not computed (their KV is
+        overwritten later) and blocks holding only them go back to the pool. Tokens after one
+        that stops the request are dropped. Returns the requests that got a token (finished
+        ones included, with their status set).
         """
         # Requests aborted between schedule() and update() are skipped. `sample` is read before
         # num_computed_tokens advances, since it is computed from it.
@@ -226,11 +265,35 @@ class Scheduler:
             raise KeyError(f"no sampled token for requests {missing}")
         changed = []
         for s, sample in live:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(s.request)  # before a stop can free its blocks
+            request = s.request
+            tokens = sampled[request.request_id] if sample else []
+            tokens = [tokens] if isinstance(tokens, int) else tokens
+            if s.num_spec_tokens:
+                accepted = len(tokens) - 1
+                if not 0 <= accepted <= s.num_spec_tokens:
+                    raise ValueError(
+                        f"request {request.request_id!r}: {len(tokens)} tokens for "
+                        f"{s.num_spec_tokens} drafts"
+                    )
+                request.num_draft_tokens += s.num_spec_tokens
+                request.num_spec_steps += 1
+                request.num_accepted_tokens += accepted
+                self.num_spec_draft_tokens += s.num_spec_tokens
+                self.num_spec_accepted_tokens += accepted
+                self.num_spec_verifications += 1
+                request.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens + accepted
+            else:
+                request.num_computed_tokens += s.num_new_tokens
+            request.clear_drafts()
+            self.kv.cache_blocks(request)  # before a stop can free its blocks
+            for token_id in tokens:
+                self._append_token(request, token_id)
+                if request.is_finished:
+                    break
+            if s.num_spec_tokens and not request.is_finished:
+                self.kv.trim(request)
             if sample:
-                self._append_token(s.request, sampled[s.request.request_id])
-                changed.append(s.request)
+                changed.append(request)
         return changed
 
     def _append_token(self, request: Request, token_id: int) -> None:
@@ -278,4 +341,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            spec_verifications=self.num_spec_verifications,
+            spec_draft_tokens=self.num_spec_draft_tokens,
+            spec_accepted_tokens=self.num_spec_accepted_tokens,
         )

@@ -13,12 +13,15 @@ class ScheduledRequest:
 
     ``block_ids[g]`` is the request's whole block table for KV cache group ``g``.
     ``sample`` is True when this step reaches the end of the known tokens, so the logits of the
-    last computed token are needed to pick the next one.
+    last computed token are needed to pick the next one. The last ``num_spec_tokens`` of the
+    new tokens are the request's draft tokens (``request.spec_token_ids``), whose logits verify
+    them: a speculating request gets ``num_spec_tokens + 1`` logits rows.
     """
 
     request: Request
     num_new_tokens: int
     block_ids: tuple[list[int], ...]
+    num_spec_tokens: int = 0
 
     @property
     def start(self) -> int:
@@ -26,7 +29,15 @@ class ScheduledRequest:
 
     @property
     def sample(self) -> bool:
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens - self.num_spec_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step computes: known ones, then the drafts."""
+        known = self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+        if not self.num_spec_tokens:
+            return known
+        return known + self.request.spec_token_ids[: self.num_spec_tokens]
 
 
 @dataclass(slots=True)

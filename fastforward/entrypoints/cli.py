@@ -77,6 +77,15 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     g.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\', '
+        '\'{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}\' (a draft model of the '
+        'same tokenizer) or \'{"method": "layer_skip"}\' (self-drafting); keys in '
+        "docs/speculative.md (default: off)",
+    )
+    g.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
@@ -127,6 +136,7 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
         quantization=ns.quantization,
         enable_prefix_caching=ns.enable_prefix_caching,
         kernels=ns.kernels,
+        speculative_config=ns.speculative_config,
     )
 
 

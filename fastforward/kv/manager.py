@@ -85,6 +85,15 @@ class SingleTypeKVCacheManager:
         n = self.num_blocks_to_allocate(request_id, num_tokens)
         self.req_to_blocks.setdefault(request_id, []).extend(self.pool.allocate(n))
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks past those covering ``num_tokens`` tokens (slots reserved
+        for draft tokens that were rejected; never cached, since they were never computed)."""
+        blocks = self.req_to_blocks.get(request_id)
+        keep = self.spec.blocks_for(num_tokens)
+        if blocks and len(blocks) > keep:
+            self.pool.free(blocks[keep:])
+            del blocks[keep:]
+
     def free(self, request_id: str) -> None:
         self.num_cached.pop(request_id, None)
         self.pool.free(self.req_to_blocks.pop(request_id, []))
@@ -303,6 +312,12 @@ class KVCacheManager:
         self._hashes.pop(request.request_id, None)
         for m in self.managers:
             m.free(request.request_id)
+
+    def trim(self, request: Request) -> None:
+        """Keep only the blocks the request's known tokens need (its next step computes the
+        last of them); the rest held slots for rejected draft tokens."""
+        for m in self.managers:
+            m.trim(request.request_id, request.num_tokens)
 
     def get_block_ids(self, request: Request) -> tuple[list[int], ...]:
         """One block table per group (fresh lists, safe to keep)."""

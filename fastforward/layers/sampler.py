@@ -122,11 +122,22 @@ class Sampler:
             noise[torch.tensor(unseeded, device=device)] = shared
         for i in seeded:
             req = requests[i]
-            gen = torch.Generator(device=device)
-            gen.manual_seed(step_seed(req.sampling_params.seed, req.num_output_tokens))
-            noise[i].exponential_(generator=gen)
+            noise[i].exponential_(generator=self.generator(req, req.num_output_tokens, device))
         # Exp(1) draws of exactly 0 would make 0/0 = NaN (argmax picks NaN) for masked tokens.
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def generator(
+        self, request: Request, step: int, device: torch.device, salt: int = 0
+    ) -> torch.Generator | None:
+        """The random stream of ``request`` at its ``step``-th generated token: its own for a
+        seeded request (``salt`` separates uses within one step, e.g. drafting and verifying),
+        else the shared one."""
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self._shared_generator(device)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(step_seed(seed ^ salt, step))
+        return gen
 
     def _shared_generator(self, device: torch.device) -> torch.Generator | None:
         """Generator for unseeded rows; ``None`` (torch's global RNG) without a base seed."""

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -115,11 +115,17 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        layer_ids: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions ``[T]`` -> final hidden states ``[T, hidden]``."""
+        """input_ids, positions ``[T]`` -> final hidden states ``[T, hidden]``. ``layer_ids``
+        runs only those layers, in order (a self-speculative draft skipping the others)."""
         x = self.embed(input_ids)
-        for layer in self.layers:
+        layers = self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]
+        for layer in layers:
             x = layer(x, positions, meta)
         return self.norm(x)
 

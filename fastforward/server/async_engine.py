@@ -173,6 +173,9 @@ class AsyncEngine:
             num_preemptions=stats.num_preemptions,
             prefix_cache_queries=getattr(stats, "prefix_cache_queries", 0),
             prefix_cache_hits=getattr(stats, "prefix_cache_hits", 0),
+            spec_verifications=stats.spec_verifications,
+            spec_draft_tokens=stats.spec_draft_tokens,
+            spec_accepted_tokens=stats.spec_accepted_tokens,
         )
 
     def _fail_all(self, message: str) -> None:

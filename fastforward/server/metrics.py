@@ -55,6 +55,9 @@ class EngineGauges:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_verifications: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class ServerMetrics:
@@ -151,6 +154,26 @@ class ServerMetrics:
                 ),
                 *_gauge(
                     "fastforward_prefix_cache_hit_rate", "Prefix cache hit rate (tokens)", hit_rate
+                ),
+                *_counter(
+                    "fastforward_spec_decode_num_drafts_total",
+                    "Request steps that verified speculative draft tokens",
+                    g.spec_verifications,
+                ),
+                *_counter(
+                    "fastforward_spec_decode_num_draft_tokens_total",
+                    "Speculative draft tokens verified by the target",
+                    g.spec_draft_tokens,
+                ),
+                *_counter(
+                    "fastforward_spec_decode_num_accepted_tokens_total",
+                    "Speculative draft tokens the target accepted",
+                    g.spec_accepted_tokens,
+                ),
+                *_gauge(
+                    "fastforward_spec_decode_acceptance_rate",
+                    "Accepted / verified draft tokens since start",
+                    g.spec_accepted_tokens / g.spec_draft_tokens if g.spec_draft_tokens else 0,
                 ),
                 "# HELP fastforward_request_success_total Finished sequences by finish reason",
                 "# TYPE fastforward_request_success_total counter",

@@ -197,6 +197,13 @@ def engine_report(out: RequestOutput) -> dict[str, Any]:
     if m is None:
         return report
     report["num_preemptions"] = m.num_preemptions
+    if m.num_spec_steps:
+        report["speculative"] = {
+            "draft_tokens": m.num_draft_tokens,
+            "accepted_tokens": m.num_accepted_tokens,
+            "acceptance_rate": round(m.spec_acceptance_rate or 0.0, 4),
+            "mean_accepted_length": round(1 + m.num_accepted_tokens / m.num_spec_steps, 4),
+        }
     if m.first_scheduled_time is not None:
         report["queue_time_s"] = round(m.first_scheduled_time - m.arrival_time, 6)
     if m.first_token_time is not None:

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers guess tokens, one target pass verifies them all."""
