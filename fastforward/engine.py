@@ -357,10 +357,8 @@ class LLMEngine:
             gained = by_id[req.request_id][: req.num_output_tokens - before[req.request_id]]
             for tok in gained:
                 self.output_processor.record_logprobs(seq, tok)
-            if req.grammar is not None and not all(
-                req.grammar.consume_token(t.token_id) for t in gained
-            ):
-                broken.append(req)  # the mask should make this impossible
+            if req.grammar is not None and not self._advance_grammars(req, gained):
+                broken.append(req)
             self._process_text(seq)
             parent = self._parent_of(req.request_id)
             touched[parent.request_id] = parent
@@ -372,6 +370,12 @@ class LLMEngine:
             touched[parent.request_id] = parent
         self._release_drafts()
         return [self._emit(p) for p in touched.values()]
+
+    @staticmethod
+    def _advance_grammars(req: Request, gained: list[SampledToken]) -> bool:
+        """Feed a structured-output request the tokens it gained; False when its matcher
+        rejects one (which the mask should make impossible)."""
+        return all(req.grammar.consume_token(t.token_id) for t in gained)
 
     def _sample(self, result: StepResult) -> list[list[SampledToken]]:
         """The tokens each request of the step gains: one sampled token, or for a request
