@@ -63,13 +63,16 @@ def usable_schemas(llm: LLM, corpus):
     return ok, refused
 
 
-def run(llm: LLM, timer: MaskTimer, schemas, n: int, max_tokens: int, batch: int) -> dict:
+def run(
+    llm: LLM, timer: MaskTimer, schemas, n: int, max_tokens: int, batch: int, penalty: float = 1.0
+) -> dict:
     jobs = []
     for i in range(n):
         item = schemas[i % len(schemas)]
         sampled = (i // len(schemas)) % 2 == 1 or (n <= len(schemas) and i % 2 == 1)
         params = SamplingParams(
             max_tokens=max_tokens,
+            repetition_penalty=penalty,
             temperature=0.8 if sampled else 0.0,
             seed=i if sampled else None,
             structured_outputs=StructuredOutputsParams(json=item.schema),
@@ -81,13 +84,16 @@ def run(llm: LLM, timer: MaskTimer, schemas, n: int, max_tokens: int, batch: int
     outs = llm.generate([p for _, p, _ in jobs], [sp for _, _, sp in jobs])
     wall = time.perf_counter() - start
     counts: Counter[str] = Counter()
-    failures = []
+    failures, cut = [], []
     tokens = 0
-    for (item, _, _), out in zip(jobs, outs, strict=True):
+    for (item, _, params), out in zip(jobs, outs, strict=True):
         c = out.outputs[0]
         tokens += len(c.token_ids)
         if c.finish_reason == "length":
             counts["cut_by_max_tokens"] += 1
+            cut.append(
+                {"schema": item.name, "sampled": params.temperature > 0, "tail": c.text[-200:]}
+            )
             continue
         try:
             jsonschema.validate(json.loads(c.text), item.schema)
@@ -106,6 +112,7 @@ def run(llm: LLM, timer: MaskTimer, schemas, n: int, max_tokens: int, batch: int
         "mask_s": round(mask_s, 3),
         "mask_share_of_time": round(mask_s / wall, 4),
         "failures": failures[:20],
+        "cut": cut[:40],
     }
 
 
@@ -114,6 +121,12 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--n", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="for the 1,000-generation run (small models loop on array items and digits)",
+    )
     ap.add_argument("--overhead-n", type=int, default=64, help="generations per overhead run")
     ap.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "bench_structured.json")
@@ -124,8 +137,10 @@ def main() -> None:
     schemas, refused = usable_schemas(llm, load_corpus())
     print(f"{len(schemas)} schemas usable, {len(refused)} refused by the grammar engine")
     timer = MaskTimer(llm)
-    main_run = run(llm, timer, schemas, args.n, args.max_tokens, batch=32)
-    print(json.dumps({k: v for k, v in main_run.items() if k != "failures"}, indent=1))
+    main_run = run(
+        llm, timer, schemas, args.n, args.max_tokens, batch=32, penalty=args.repetition_penalty
+    )
+    print(json.dumps({k: v for k, v in main_run.items() if k not in ("failures", "cut")}, indent=1))
     overhead = {}
     for batch in (1, 32):
         n = args.overhead_n if batch > 1 else max(8, args.overhead_n // 8)
@@ -136,6 +151,8 @@ def main() -> None:
         print(f"batch {batch}: masking {100 * r['mask_share_of_time']:.1f}% of generation time")
     result = {
         "model": args.model,
+        "max_tokens": args.max_tokens,
+        "repetition_penalty": args.repetition_penalty,
         "schemas_usable": len(schemas),
         "schemas_refused": refused,
         "run": main_run,
