@@ -24,7 +24,9 @@ from fastforward.kernels.apply import (
     cpu_has_native_bf16,
     kernels_usable,
 )
+from fastforward.kv.calibrate import CALIBRATION_TOKENS, calibrate_key_scales, calibration_text
 from fastforward.kv.manager import KVCacheManager
+from fastforward.kv.quant import is_quantized, resolve_kv_cache_dtype
 from fastforward.kv.spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -81,6 +83,9 @@ class EngineArgs:
     # Weight format (fastforward.quant.METHODS): int8, int4, int4-g64, int4-g128, codebook4,
     # codebook8, gguf; None keeps ``dtype`` weights. (A KV-cache dtype is a separate option.)
     quantization: str | None = None
+    # KV cache storage (fastforward.kv.quant): auto keeps ``dtype``; int8 stores keys and values
+    # with a scale per token and head, ~2x the tokens per byte.
+    kv_cache_dtype: str = "auto"
     # auto: fastforward's C++ CPU kernels (paged attention; bf16 linears) where they build,
     # native: insist on them, torch: the plain PyTorch paths (the reference).
     kernels: str = "auto"
@@ -122,6 +127,7 @@ class LLMEngine:
         self.spec_config = SpeculativeConfig.parse(args.speculative_config)
         self._use_kernels, self._why_no_kernels = kernels_usable(args.kernels, self.device)
         self.dtype = resolve_dtype(args.dtype, fast_bf16=self._use_kernels)
+        self.kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         path = resolve_model(args.model, progress=args.download_progress)
         loaded, self.kernels = self._load(path, args.quantization)
         self.model, self.model_config, self.tokenizer = (
@@ -138,11 +144,11 @@ class LLMEngine:
                 self.kv_config,
                 enable_caching=args.enable_prefix_caching,
                 # Whatever besides the tokens decides the KV goes into every block hash.
-                extra_key=f"model={path}|dtype={self.dtype}|kv_dtype={self.dtype}"
+                extra_key=f"model={path}|dtype={self.dtype}|kv_dtype={self.kv_dtype}"
                 f"|weights={args.quantization}",
             ),
         )
-        self.runner = ModelRunner(self.model, self.kv_config, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, self.kv_config, self.device)
         self.grammars = GrammarCompiler(
             self.tokenizer.backend,
             self.model_config.vocab_size,
@@ -162,8 +168,15 @@ class LLMEngine:
     def _load(self, path: str, quantization: str | None) -> tuple[Any, KernelReport]:
         loaded = load_model(path, self.dtype, self.device, quantization)
         if self._use_kernels:
-            return loaded, apply_cpu_kernels(loaded.model, self.dtype)
-        return loaded, KernelReport("torch", reason=self._why_no_kernels)
+            report = apply_cpu_kernels(loaded.model, self.dtype)
+        else:
+            report = KernelReport("torch", reason=self._why_no_kernels)
+        if is_quantized(self.kv_dtype):
+            text = calibration_text()
+            if text is not None:  # else keys are quantized per token alone
+                ids = loaded.tokenizer.encode(text)[:CALIBRATION_TOKENS]
+                calibrate_key_scales(loaded.model, ids, self.dtype, self.args.block_size)
+        return loaded, report
 
     def _make_proposer(self, cfg: SpeculativeConfig | None) -> Proposer | None:
         if cfg is None:
@@ -194,7 +207,7 @@ class LLMEngine:
                 f"draft model {cfg.model!r} does not share the target's tokenizer "
                 f"(vocab {loaded.config.vocab_size} vs {self.model_config.vocab_size})"
             )
-        specs = kv_specs(loaded.config, self.args.block_size, self.dtype)
+        specs = kv_specs(loaded.config, self.args.block_size, self.kv_dtype)
         per_seq = -(-(cfg.num_speculative_tokens + 1) // self.args.block_size) + 1
         groups = len(make_kv_cache_config(specs, num_blocks=2).groups)
         num_blocks = 1 + groups * (
@@ -202,7 +215,7 @@ class LLMEngine:
             + self.args.max_num_seqs * per_seq
         )
         kv_config = make_kv_cache_config(specs, num_blocks=num_blocks)
-        runner = ModelRunner(loaded.model, kv_config, self.device, self.dtype)
+        runner = ModelRunner(loaded.model, kv_config, self.device)
         kv = KVCacheManager(kv_config, enable_caching=False)
         return DraftModelProposer(runner, kv, self.sampler, self.args.max_num_batched_tokens)
 
@@ -217,7 +230,7 @@ class LLMEngine:
         return requested
 
     def _kv_config(self) -> KVCacheConfig:
-        specs = kv_specs(self.model_config, self.args.block_size, self.dtype)
+        specs = kv_specs(self.model_config, self.args.block_size, self.kv_dtype)
         if self.args.num_kv_blocks is not None:
             cfg = make_kv_cache_config(specs, num_blocks=self.args.num_kv_blocks)
         else:
@@ -503,7 +516,7 @@ class LLMEngine:
         one pass over a KV allocation of its own: the serving cache is not touched."""
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"{len(token_ids)} tokens exceed max_model_len={self.max_model_len}")
-        return score_tokens(self.model, token_ids, self.dtype, self.args.block_size)
+        return score_tokens(self.model, token_ids, self.kv_dtype, self.args.block_size)
 
     # ------------------------------------------------------------------ stats
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
+from fastforward.kv.quant import SCALE_DTYPE, is_quantized
 from fastforward.kv.spec import KVCacheConfig
 from fastforward.layers.logprobs import TokenLogprob, score_positions
 from fastforward.request import Request
@@ -51,22 +52,24 @@ class StepResult:
 
 class ModelRunner:
     """Owns the KV cache tensors and runs forward passes. One tensor per KV slot, shared by
-    one layer of every group: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+    one layer of every group: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` of the
+    groups' KV dtype (plus ``[2, num_blocks, block_size, num_kv_heads]`` scales if int8)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        kv_config: KVCacheConfig,
-        device: torch.device,
-        kv_dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, model: nn.Module, kv_config: KVCacheConfig, device: torch.device) -> None:
         self.model = model
         self.kv_config = kv_config
         self.device = device
         spec = kv_config.groups[0].spec
         shape = (2, kv_config.num_blocks, kv_config.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(kv_config.num_slots)
+            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(kv_config.num_slots)
+        ]
+        # a quantized cache keeps one scale per (token, head) vector beside each slot tensor
+        self.kv_scales = [
+            torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            if is_quantized(spec.dtype)
+            else None
+            for _ in range(kv_config.num_slots)
         ]
         self._bind_kv_caches()
 
@@ -75,6 +78,7 @@ class ModelRunner:
         for idx, attn in enumerate(layers):
             group, slot = self.kv_config.layer_location(idx)
             attn.kv_cache = self.kv_caches[slot]
+            attn.kv_scales = self.kv_scales[slot]
             attn.group = group
 
     def prepare(self, sched: SchedulerOutput) -> BatchInputs:

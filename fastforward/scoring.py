@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
+from fastforward.kv.quant import SCALE_DTYPE, is_quantized
 
 
 @torch.inference_mode()
 def score_tokens(
     model: nn.Module,
     token_ids: list[int] | torch.Tensor,
-    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     block_size: int = 16,
 ) -> torch.Tensor:
     """``log p(token[i+1] | token[:i+1])`` for i in ``0..T-2``, float32 ``[T - 1]``."""
@@ -40,15 +41,17 @@ def score_tokens(
         block_size=block_size,
         groups=groups * (1 + max(a.group for a in layers)),
     )
-    saved = [(a.kv_cache, a.group) for a in layers]
+    saved = [(a.kv_cache, a.kv_scales, a.group) for a in layers]
     try:
         for a in layers:
-            a.kv_cache = torch.zeros(
-                2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype
+            shape = (2, num_blocks, block_size, a.num_kv_heads, a.head_dim)
+            a.kv_cache = torch.zeros(shape, dtype=kv_dtype)
+            a.kv_scales = (
+                torch.zeros(shape[:-1], dtype=SCALE_DTYPE) if is_quantized(kv_dtype) else None
             )
         hidden = model(ids, torch.arange(t), meta)
         logits = model.compute_logits(hidden[:-1]).float()
     finally:
-        for a, (cache, group) in zip(layers, saved, strict=True):
-            a.kv_cache, a.group = cache, group
+        for a, (cache, scales, group) in zip(layers, saved, strict=True):
+            a.kv_cache, a.kv_scales, a.group = cache, scales, group
     return torch.log_softmax(logits, dim=-1).gather(1, ids[1:, None]).squeeze(1)

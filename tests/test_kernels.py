@@ -7,7 +7,8 @@ import torch
 
 from fastforward import kernels
 from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
-from fastforward.attention.reference import paged_attention
+from fastforward.attention.reference import paged_attention, write_kv
+from fastforward.kv.quant import dequantize, quantize
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for kernels")
 
@@ -212,3 +213,79 @@ def test_rope_in_place_matches_reference(dtype, partial):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out_q.float(), ref_q.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(out_k.float(), ref_k.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_int8_cache_matches_reference(case, q_dtype):
+    """An int8 cache with per-(token, head) scales: the kernel dequantizes in place what the
+    reference path gathers and dequantizes."""
+    query_lens, context_lens, h, kvh, d, window, softcap = case
+    dense, meta = _random_batch(query_lens, context_lens, kvh, d, 16, torch.float32, seed=d)
+    cache, scales = quantize(dense * torch.rand(dense.shape[:-1])[..., None] * 4)
+    q = torch.randn(sum(query_lens), h, d).to(q_dtype)
+    group = meta.groups[0]
+    kwargs = {"scale": d**-0.5, "window": window, "softcap": softcap}
+    ref = paged_attention(q.float(), cache, meta, group, **kwargs, kv_scales=scales)
+    dequantized = dequantize(cache, scales, torch.float32)
+    torch.testing.assert_close(ref, paged_attention(q.float(), dequantized, meta, group, **kwargs))
+    out = kernels.ops().paged_attention(
+        q,
+        cache,
+        group.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        d**-0.5,
+        window or 0,
+        softcap or 0.0,
+        scales,
+    )
+    assert out.dtype == q_dtype and out.shape == q.shape
+    tol = 2e-5 if q_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_paged_attention_int8_cache_needs_scales():
+    dense, meta = _random_batch([1], [5], 2, 16, 16, torch.float32, seed=0)
+    cache, scales = quantize(dense)
+    group = meta.groups[0]
+    args = (group.block_tables, meta.query_start_loc, meta.seq_lens, 0.25, 0, 0.0)
+    with pytest.raises(RuntimeError, match="needs kv_scales"):
+        kernels.ops().paged_attention(torch.randn(1, 4, 16), cache, *args)
+    with pytest.raises(RuntimeError, match="float16"):
+        kernels.ops().paged_attention(torch.randn(1, 4, 16), cache, *args, scales.float())
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_write_kv_equals_reference(x_dtype, cache_dtype):
+    """The fused write stores exactly what the reference write stores (int8 codes and float16
+    scales included), from strided k/v views like the ones a fused QKV projection gives."""
+    torch.manual_seed(0)
+    qkv = torch.randn(11, 3, 2, 40).to(x_dtype) * torch.logspace(-2, 2, 11)[:, None, None, None]
+    qkv[4, :, 1] = 0.0
+    k, v = qkv[:, 1], qkv[:, 2]  # [T, KVH, D], token stride 240
+    slots = torch.randperm(6 * 4)[:11]
+    shape = (2, 6, 4, 2, 40)
+    caches = []
+    for write in (write_kv, kernels.ops().write_kv):
+        cache = torch.zeros(shape, dtype=cache_dtype)
+        scales = torch.zeros(shape[:-1], dtype=torch.float16) if cache_dtype == torch.int8 else None
+        write(cache, k, v, slots, scales)
+        caches.append((cache, scales))
+    (ref, ref_scales), (out, out_scales) = caches
+    assert torch.equal(out, ref)
+    if cache_dtype == torch.int8:
+        assert torch.equal(out_scales, ref_scales) and out.abs().max() == 127
+
+
+def test_write_kv_rejects_bad_slots():
+    cache = torch.zeros(2, 3, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.ops().write_kv(
+            cache, torch.randn(1, 1, 8), torch.randn(1, 1, 8), torch.tensor([12])
+        )
+    with pytest.raises(RuntimeError, match="needs contiguous float16 kv_scales"):
+        kernels.ops().write_kv(
+            cache.to(torch.int8), torch.randn(1, 1, 8), torch.randn(1, 1, 8), torch.tensor([1])
+        )

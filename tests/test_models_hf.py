@@ -10,6 +10,7 @@ from conftest import ARCHS
 from fastforward import LLM, SamplingParams, kernels
 from fastforward.engine import kv_specs
 from fastforward.kernels.apply import apply_cpu_kernels
+from fastforward.kv.calibrate import pair_rotary
 from fastforward.kv.spec import make_kv_cache_config
 from fastforward.loader.model_loader import load_model
 from fastforward.request import Request
@@ -20,14 +21,25 @@ SEQ_LEN = 40  # longer than the sliding window (7) of the Mistral and Gemma 3 co
 
 
 def _chunked_logits(
-    directory, token_ids: list[int], chunk: int, native: bool = False, dtype=torch.float32
+    directory,
+    token_ids: list[int],
+    chunk: int,
+    native: bool = False,
+    dtype=torch.float32,
+    kv_dtype=None,
+    key_scales: bool = False,
 ) -> torch.Tensor:
     loaded = load_model(directory, dtype, torch.device("cpu"))
     if native:
         apply_cpu_kernels(loaded.model, dtype)
-    specs = kv_specs(loaded.config, block_size=4, dtype=dtype)
+    if key_scales:  # random per-channel key scales, equal within each RoPE pair
+        g = torch.Generator().manual_seed(0)
+        for a in loaded.model.attention_layers():
+            m = torch.rand(a.num_kv_heads, a.head_dim, generator=g) * 20 + 0.05
+            a.set_key_channel_scale(pair_rotary(m, a.rotary_dim))
+    specs = kv_specs(loaded.config, block_size=4, dtype=kv_dtype or dtype)
     kv_config = make_kv_cache_config(specs, num_blocks=64)
-    runner = ModelRunner(loaded.model, kv_config, torch.device("cpu"), dtype)
+    runner = ModelRunner(loaded.model, kv_config, torch.device("cpu"))
     req = Request("r", token_ids, SamplingParams())
     per_group = -(-len(token_ids) // 4)
     # Distinct, non-contiguous blocks per group, so wrong block-table handling shows up.
@@ -62,6 +74,41 @@ def test_logits_match_hf(tiny_model_dir, arch, chunk, native):
         expected = hf_model(ids[None]).logits[0]
     ours = _chunked_logits(directory, ids.tolist(), chunk, native)
     torch.testing.assert_close(ours, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("chunk", [9, 1])
+def test_int8_kv_cache_logits_close_to_hf(tiny_model_dir, arch, chunk):
+    """An int8 KV cache (fp32 model) stays within int8 rounding of HF's fp32 logits, on the
+    torch path and through the native kernel. (The two agree closely but not to fp32 rounding:
+    a last-bit difference in a key can round one int8 code the other way.)"""
+    directory, hf_model = tiny_model_dir(arch)
+    torch.manual_seed(5)
+    ids = torch.randint(0, hf_model.config.vocab_size, (SEQ_LEN,))
+    with torch.no_grad():
+        expected = hf_model(ids[None]).logits[0]
+    ref = _chunked_logits(directory, ids.tolist(), chunk, kv_dtype=torch.int8)
+    exact = _chunked_logits(directory, ids.tolist(), chunk)
+    err, spread = (ref - expected).abs().max().item(), expected.abs().max().item()
+    assert 0 < err < 0.02 * spread, (err, spread)  # quantized, and only by int8 rounding
+    assert (exact - expected).abs().max().item() < err / 10
+    if kernels.available():
+        native = _chunked_logits(directory, ids.tolist(), chunk, True, kv_dtype=torch.int8)
+        assert (native - ref).abs().max().item() < err / 4
+        assert (native - expected).abs().max().item() < 1.5 * err
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("native", [False, NATIVE], ids=["torch", "native"])
+def test_key_channel_scales_leave_logits_unchanged(tiny_model_dir, arch, native):
+    """Keys stored as k / m and queries multiplied by m (m shared by each RoPE pair, partial
+    rotary included): the same logits as without, prefill chunks and decode."""
+    directory, hf_model = tiny_model_dir(arch)
+    torch.manual_seed(7)
+    ids = torch.randint(0, hf_model.config.vocab_size, (SEQ_LEN,)).tolist()
+    plain = _chunked_logits(directory, ids, 9, native)
+    scaled = _chunked_logits(directory, ids, 9, native, key_scales=True)
+    torch.testing.assert_close(scaled, plain, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C++ kernels")

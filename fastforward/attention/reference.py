@@ -9,15 +9,28 @@ import torch
 import torch.nn.functional as F
 
 from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
+from fastforward.kv.quant import dequantize, quantize
 
 
 def write_kv(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Store new K/V ``[T, KVH, D]`` into ``kv_cache [2, num_blocks, block_size, KVH, D]``."""
+    """Store new K/V ``[T, KVH, D]`` into ``kv_cache [2, num_blocks, block_size, KVH, D]``;
+    an int8 cache stores them quantized, with their scales in ``kv_scales [2, ..., KVH]``."""
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
-    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+    if kv_scales is None:
+        flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+        flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+        return
+    scales = kv_scales.view(2, -1, kv_scales.shape[-1])
+    for i, x in enumerate((k, v)):
+        q, scale = quantize(x)
+        flat[i].index_copy_(0, slot_mapping, q)
+        scales[i].index_copy_(0, slot_mapping, scale)
 
 
 def _pad_index(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
@@ -44,15 +57,25 @@ def _mask(meta: AttentionMetadata, window: int | None, device: torch.device) -> 
 
 
 def _gather_kv(
-    kv_cache: torch.Tensor, group: GroupMetadata, max_seq_len: int
+    kv_cache: torch.Tensor,
+    group: GroupMetadata,
+    max_seq_len: int,
+    dtype: torch.dtype,
+    kv_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of every sequence, [B, KVH, max_seq_len, D]."""
+    """Keys and values of every sequence as ``dtype``, [B, KVH, max_seq_len, D]."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-max_seq_len // block_size)
     tables = group.block_tables[:, :num_blocks]
-    k = kv_cache[0][tables].flatten(1, 2)[:, :max_seq_len]  # [B, S, KVH, D]
-    v = kv_cache[1][tables].flatten(1, 2)[:, :max_seq_len]
-    return k.transpose(1, 2), v.transpose(1, 2)
+    out = []
+    for i in range(2):
+        x = kv_cache[i][tables].flatten(1, 2)[:, :max_seq_len]  # [B, S, KVH, D]
+        if kv_scales is None:
+            x = x.to(dtype)
+        else:
+            x = dequantize(x, kv_scales[i][tables].flatten(1, 2)[:, :max_seq_len], dtype)
+        out.append(x.transpose(1, 2))
+    return out[0], out[1]
 
 
 def paged_attention(
@@ -64,12 +87,12 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new queries ``q [T, H, D]`` over the cached context -> ``[T, H, D]``."""
     index = meta.cached("pad_index", lambda: _pad_index(meta, q.device))
     qp = q[index.clamp(min=0)].transpose(1, 2)  # [B, H, max_q, D]
-    k, v = _gather_kv(kv_cache, group, meta.max_seq_len)
-    k, v = k.to(q.dtype), v.to(q.dtype)
+    k, v = _gather_kv(kv_cache, group, meta.max_seq_len, q.dtype, kv_scales)
     mask = meta.cached(("mask", window), lambda: _mask(meta, window, q.device)[:, None])
     if softcap is None:
         out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -12,6 +12,7 @@ from fastforward.entrypoints import eval as eval_cmd
 from fastforward.entrypoints import quantize as quantize_cmd
 from fastforward.hub import DEFAULT_MODEL, default_cache_dir
 from fastforward.kernels.apply import KERNEL_MODES
+from fastforward.kv.quant import KV_CACHE_DTYPES
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
@@ -59,6 +60,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="GIB",
         help="memory for the KV cache in GiB (default: 1 GiB, more if max-model-len needs it)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=EngineArgs.kv_cache_dtype,
+        choices=("auto", *KV_CACHE_DTYPES),
+        help="KV cache storage: auto (the model's dtype) or int8 (a scale per token and head, "
+        "~2x the tokens in the same memory; default: %(default)s)",
     )
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument(
@@ -134,6 +142,7 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_memory_bytes=memory,
         seed=ns.seed,
         quantization=ns.quantization,
+        kv_cache_dtype=ns.kv_cache_dtype,
         enable_prefix_caching=ns.enable_prefix_caching,
         kernels=ns.kernels,
         speculative_config=ns.speculative_config,

@@ -6,7 +6,8 @@ For each format the model is loaded afresh and measured on the same tokens:
   Debian's ``/usr/share/common-licenses/GPL-3``, else CPython's own ``LICENSE.txt``), scored in
   windows of ``window`` tokens moved by ``stride`` (each token is scored once, with at least
   ``window - stride`` tokens of context after the first window);
-- memory of the weights (bytes, bits per weight) and of the KV cache per token;
+- memory of the weights (bytes, bits per weight) and of the KV cache per token (``FMT+kv-int8``
+  measures format FMT with an int8 KV cache);
 - single-stream decode speed (greedy; one over the median time between tokens).
 
 The table is printed, and saved as CSV and JSON with a PNG of quality and speed against bits
@@ -68,13 +69,22 @@ class FormatResult:
     left_float: list[str] = field(default_factory=list)
 
 
-def engine_options(fmt: str) -> tuple[str, str | None]:
-    """A format name -> (engine dtype, quantization)."""
+def engine_options(fmt: str) -> tuple[str, str | None, str]:
+    """A format name -> (engine dtype, quantization, kv_cache_dtype). ``FMT+kv-int8`` is
+    format FMT with an int8 KV cache."""
+    from fastforward.kv.quant import KV_CACHE_DTYPES
     from fastforward.quant import parse_quantization
 
-    if fmt in _DTYPE_FORMATS:
-        return _DTYPE_FORMATS[fmt], None
-    return "bfloat16", parse_quantization(fmt).name
+    weights, _, kv = fmt.partition("+")
+    kv_dtype = "auto"
+    if kv:
+        kv_dtype = kv.removeprefix("kv-")
+        if not kv.startswith("kv-") or kv_dtype not in KV_CACHE_DTYPES:
+            choices = ", ".join(f"+kv-{k}" for k in KV_CACHE_DTYPES)
+            raise ValueError(f"format {fmt!r}: the part after '+' must be one of {choices}")
+    if weights in _DTYPE_FORMATS:
+        return _DTYPE_FORMATS[weights], None, kv_dtype
+    return "bfloat16", parse_quantization(weights).name, kv_dtype
 
 
 def windowed_perplexity(llm, ids: list[int], window: int, stride: int) -> tuple[float, int]:
@@ -127,9 +137,15 @@ def evaluate_format(cfg: EvalConfig, fmt: str, ids: list[int]) -> FormatResult:
     from fastforward.entrypoints.llm import LLM
     from fastforward.quant.apply import weight_stats
 
-    dtype, quantization = engine_options(fmt)
+    dtype, quantization, kv_dtype = engine_options(fmt)
     start = time.perf_counter()
-    llm = LLM(cfg.model, dtype=dtype, quantization=quantization, max_model_len=None)
+    llm = LLM(
+        cfg.model,
+        dtype=dtype,
+        quantization=quantization,
+        kv_cache_dtype=kv_dtype,
+        max_model_len=None,
+    )
     load_s = time.perf_counter() - start
     engine = llm.engine
     start = time.perf_counter()
@@ -267,7 +283,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--formats",
         default=DEFAULT_FORMATS,
-        help="comma-separated: fp32, bf16, fp16 or a --quantization method (default: %(default)s)",
+        help="comma-separated: fp32, bf16, fp16 or a --quantization method, each optionally "
+        "with +kv-int8 for an int8 KV cache (default: %(default)s)",
     )
     p.add_argument(
         "--text", type=Path, default=None, help=f"text to score (default: {default_text()})"

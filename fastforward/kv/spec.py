@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastforward.kv.quant import scale_bytes
+
 
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec:
@@ -27,9 +29,9 @@ class FullAttentionSpec:
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes one block holds for one layer (K and V)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes one block holds for one layer (K and V, and their scales if quantized)."""
+        per_vector = self.head_dim * self.dtype.itemsize + scale_bytes(self.dtype)
+        return 2 * self.block_size * self.num_kv_heads * per_vector
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)

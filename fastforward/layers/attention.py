@@ -18,7 +18,8 @@ KERNEL_MAX_QUERY_LEN = 16
 
 class Attention(nn.Module):
     """Paged causal attention of one layer. The runner binds ``kv_cache`` (this layer's slot
-    tensor ``[2, num_blocks, block_size, KVH, D]``) and ``group`` (its KV cache group)."""
+    tensor ``[2, num_blocks, block_size, KVH, D]``), ``kv_scales`` (its scales when the cache is
+    int8) and ``group`` (its KV cache group)."""
 
     def __init__(
         self,
@@ -28,6 +29,7 @@ class Attention(nn.Module):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        rotary_dim: int = 0,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -37,9 +39,30 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.softcap = softcap
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None  # [2, num_blocks, block_size, KVH] if int8
+        # RoPE rotates channel pairs (i, i + rotary_dim / 2) of the first rotary_dim channels
+        self.rotary_dim = rotary_dim
+        # Per-channel key scale m (kv/calibrate.py): keys are stored as k / m and queries read
+        # them as q * m, which leaves every q.k unchanged while an int8 cache's per-token scale
+        # no longer has to span a few outlier channels. None: off.
+        self.key_mult: torch.Tensor | None = None  # [KVH, D] fp32, 1 / m
+        self.query_mult: torch.Tensor | None = None  # [H, D] fp32, m of each head's KV head
+        self.calibrating = False  # record key_absmax over the keys this layer sees
+        self.key_absmax: torch.Tensor | None = None
         self.group = 0
         # fastforward's C++ paged attention (fastforward.kernels) instead of the reference
         self.use_kernel = False
+
+    def set_key_channel_scale(self, m: torch.Tensor | None) -> None:
+        """Use per-channel key scale ``m [KVH, D]`` (equal within each RoPE pair), or none."""
+        if m is None:
+            self.key_mult = self.query_mult = None
+            return
+        if m.shape != (self.num_kv_heads, self.head_dim) or not bool((m > 0).all()):
+            raise ValueError(f"key channel scale must be positive [KVH, D], got {tuple(m.shape)}")
+        groups = self.num_heads // self.num_kv_heads
+        self.key_mult = (1.0 / m).float()
+        self.query_mult = m.float().repeat_interleave(groups, dim=0)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -48,7 +71,16 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("attention layer has no KV cache bound (runner not initialised)")
         group = meta.groups[self.group]
-        write_kv(self.kv_cache, k, v, group.slot_mapping)
+        if self.calibrating:
+            seen = k.detach().float().abs().amax(0)
+            self.key_absmax = seen if self.key_absmax is None else self.key_absmax.maximum(seen)
+        dtype = q.dtype
+        if self.key_mult is not None:  # in fp32: the bf16 rounding of q * m would add error
+            q, k, v = q.float() * self.query_mult, k.float() * self.key_mult, v.float()
+        if self.use_kernel:
+            torch.ops.fastforward.write_kv(self.kv_cache, k, v, group.slot_mapping, self.kv_scales)
+        else:
+            write_kv(self.kv_cache, k, v, group.slot_mapping, self.kv_scales)
         if self.use_kernel and meta.max_query_len <= KERNEL_MAX_QUERY_LEN:
             out = torch.ops.fastforward.paged_attention(
                 q.contiguous(),
@@ -59,6 +91,7 @@ class Attention(nn.Module):
                 self.scale,
                 self.sliding_window or 0,
                 self.softcap or 0.0,
+                self.kv_scales,
             )
         else:
             out = paged_attention(
@@ -69,5 +102,6 @@ class Attention(nn.Module):
                 scale=self.scale,
                 window=self.sliding_window,
                 softcap=self.softcap,
+                kv_scales=self.kv_scales,
             )
-        return out.flatten(1)
+        return out.flatten(1).to(dtype)

@@ -41,7 +41,13 @@ class LlamaAttention(nn.Module):
         layer_type = cfg.layer_types[layer_idx]
         self.rotary = RotaryEmbedding(d, cfg.rope[layer_type], cfg.max_position_embeddings)
         self.attn = Attention(
-            h, kvh, d, cfg.attention_scale, cfg.window_of(layer_idx), cfg.attn_logit_softcapping
+            h,
+            kvh,
+            d,
+            cfg.attention_scale,
+            cfg.window_of(layer_idx),
+            cfg.attn_logit_softcapping,
+            rotary_dim=int(d * cfg.rope[layer_type].partial_rotary_factor),
         )
 
     def forward(

@@ -71,14 +71,33 @@ inline void to_float(float* dst, const T* src, int64_t D) {
   for (; i < D; ++i) dst[i] = ld(src, i);
 }
 
+// An int8 row's scale, applied to the row's dot product (K) or softmax weight (V) instead of
+// to its D elements; 1 for a float cache.
+inline void row_scales(float* dst, const at::Half* scales, int64_t stride, int64_t n) {
+  if (!scales) {
+    std::fill(dst, dst + n, 1.f);
+    return;
+  }
+  // float16 -> float32 by moving the bits (c10::Half's portable conversion costs more than the
+  // attention of the row): exact for normal numbers, which the quantizer's scales always are.
+  const auto* h = reinterpret_cast<const uint16_t*>(scales);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t b = h[j * stride];
+    const uint32_t u = ((b & 0x8000u) << 16) | (((b & 0x7fffu) << 13) + (112u << 23));
+    std::memcpy(dst + j, &u, sizeof u);
+  }
+}
+
 // One item: writes each row's partial (m, l, acc[D]) to part = [rows][D + 2].
 template <typename QT, typename CT>
 void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache,
-                 const int64_t* table, const int64_t* qpos0, float* part) {
+                 const at::Half* scales, const int64_t* table, const int64_t* qpos0,
+                 float* part) {
   const int64_t D = g.D, rows = it.nt * g.G;
   alignas(64) float qf[ROWS_MAX][D_MAX];
   alignas(64) float kf[BS_MAX][D_MAX];
   alignas(64) float s[ROWS_MAX][BS_MAX];
+  float rs[BS_MAX];  // the block's key (then value) scales times the softmax scale
   int64_t lo[ROWS_MAX], hi[ROWS_MAX];
   float* acc[ROWS_MAX];
   float m[ROWS_MAX], l[ROWS_MAX];
@@ -105,15 +124,20 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
   const int64_t* tab = table + it.seq * g.W;
   for (int64_t b0 = k_lo - k_lo % g.BS; b0 < k_hi; b0 += g.BS) {
     const int64_t j0 = std::max(b0, k_lo), j1 = std::min(b0 + g.BS, k_hi), n = j1 - j0;
-    const CT* kb = cache + (tab[b0 / g.BS] * g.BS + (j0 - b0)) * kv_stride + it.kvh * D;
+    const int64_t row0 = tab[b0 / g.BS] * g.BS + (j0 - b0);  // first key's row in the pool
+    const CT* kb = cache + row0 * kv_stride + it.kvh * D;
+    // int8 cache: scales [2, NB, BS, KVH], one per key row and KV head
+    const at::Half* ks = scales ? scales + row0 * g.KVH + it.kvh : nullptr;
     for (int64_t j = 0; j < n; ++j) to_float(kf[j], kb + j * kv_stride, D);
+    row_scales(rs, ks, g.KVH, n);
+    for (int64_t j = 0; j < n; ++j) rs[j] *= g.scale;
     for (int64_t r = 0; r < rows; ++r) {
       float mb = NEG_INF;
       for (int64_t j = 0; j < n; ++j) {
         const int64_t key = j0 + j;
         float x = NEG_INF;
         if (key >= lo[r] && key < hi[r]) {
-          x = dot(qf[r], kf[j], D) * g.scale;
+          x = dot(qf[r], kf[j], D) * rs[j];
           if (g.softcap > 0.f) x = g.softcap * std::tanh(x / g.softcap);
           mb = std::max(mb, x);
         }
@@ -141,12 +165,14 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
     // V: reuse kf as the fp32 copy of the values. Rows that skipped this block have s = -inf
     // from the score pass only if they were never updated; zero them out here.
     const CT* vb = kb + half;
+    const at::Half* vs = scales ? ks + g.NB * g.BS * g.KVH : nullptr;
     for (int64_t j = 0; j < n; ++j) to_float(kf[j], vb + j * kv_stride, D);
+    row_scales(rs, vs, g.KVH, n);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t key_lo = std::max(lo[r], j0), key_hi = std::min(hi[r], j1);
       for (int64_t key = key_lo; key < key_hi; ++key) {
         const float p = s[r][key - j0];
-        if (p != 0.f) axpy(acc[r], p, kf[key - j0], D);
+        if (p != 0.f) axpy(acc[r], p * rs[key - j0], kf[key - j0], D);
       }
     }
   }
@@ -158,7 +184,8 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
 
 template <typename QT, typename CT>
 void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
-         const at::Tensor& qstart, const at::Tensor& seq_lens, Geometry g, at::Tensor& out) {
+         const at::Tensor& qstart, const at::Tensor& seq_lens, const at::Half* scales, Geometry g,
+         at::Tensor& out) {
   const int64_t B = seq_lens.size(0), T = q.size(0);
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
@@ -198,7 +225,8 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
   const int64_t* tp = table.data_ptr<int64_t>();
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i)
-      attend_item<QT, CT>(items[i], g, qp, cp, tp, qpos0.data(), partial.data() + i * stride);
+      attend_item<QT, CT>(items[i], g, qp, cp, scales, tp, qpos0.data(),
+                          partial.data() + i * stride);
   });
   // Merge the parts of each (chunk, KV head) and write rows to out [T, H, D].
   auto* op = reinterpret_cast<QT*>(out.data_ptr());
@@ -235,7 +263,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, int64_t window,
-                           double softcap) {
+                           double softcap, const std::optional<at::Tensor>& kv_scales) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D] tensor");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, KVH, D] tensor");
@@ -270,12 +298,105 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
               "query_start_loc does not end at the number of tokens");
   auto out = at::empty_like(q);
   const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
-  if (qt == at::kFloat && ct == at::kFloat) run<float, float>(q, kv_cache, block_tables, qsl, sl, g, out);
-  else if (qt == at::kFloat && ct == at::kBFloat16) run<float, uint16_t>(q, kv_cache, block_tables, qsl, sl, g, out);
-  else if (qt == at::kBFloat16 && ct == at::kBFloat16) run<uint16_t, uint16_t>(q, kv_cache, block_tables, qsl, sl, g, out);
-  else if (qt == at::kBFloat16 && ct == at::kFloat) run<uint16_t, float>(q, kv_cache, block_tables, qsl, sl, g, out);
+  const at::Half* sp = nullptr;
+  if (ct == at::kChar) {
+    TORCH_CHECK(kv_scales.has_value(), "an int8 kv_cache needs kv_scales");
+    const auto& s = *kv_scales;
+    TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.dim() == 4 &&
+                    s.size(0) == 2 && s.size(1) == g.NB && s.size(2) == g.BS && s.size(3) == g.KVH,
+                "kv_scales must be a contiguous float16 [2, num_blocks, block_size, KVH] tensor");
+    sp = s.data_ptr<at::Half>();
+  }
+  auto go = [&](auto qtag, auto ctag) {
+    using QT = decltype(qtag);
+    using CT = decltype(ctag);
+    run<QT, CT>(q, kv_cache, block_tables, qsl, sl, sp, g, out);
+  };
+  const bool qf = qt == at::kFloat, qb = qt == at::kBFloat16;
+  if (qf && ct == at::kFloat) go(float{}, float{});
+  else if (qf && ct == at::kBFloat16) go(float{}, uint16_t{});
+  else if (qf && ct == at::kChar) go(float{}, int8_t{});
+  else if (qb && ct == at::kBFloat16) go(uint16_t{}, uint16_t{});
+  else if (qb && ct == at::kFloat) go(uint16_t{}, float{});
+  else if (qb && ct == at::kChar) go(uint16_t{}, int8_t{});
   else TORCH_CHECK(false, "paged_attention: q ", qt, " with a ", ct, " cache is not supported");
   return out;
+}
+
+namespace {
+
+// Rows i = (token, head) of x [T, KVH, D] (any token/head strides) into their cache slots.
+template <typename XT, typename CT>
+void write_half(const at::Tensor& x, CT* cache, at::Half* scales, const int64_t* slots,
+                int64_t KVH, int64_t D) {
+  const int64_t T = x.size(0), s0 = x.stride(0), s1 = x.stride(1);
+  const auto* xp = reinterpret_cast<const XT*>(x.data_ptr());
+  constexpr float TINY = 6.103515625e-05f;  // smallest normal float16, as kv/quant.py
+  at::parallel_for(0, T * KVH, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / KVH, h = i % KVH;
+      const XT* src = xp + t * s0 + h * s1;
+      const int64_t row = slots[t] * KVH + h;
+      CT* dst = cache + row * D;
+      if constexpr (std::is_same_v<CT, int8_t>) {
+        float amax = 0.f;
+        for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(ld(src, d)));
+        const float sf = std::max(static_cast<float>(at::Half(amax / 127.f)), TINY);
+        scales[row] = at::Half(sf);
+        for (int64_t d = 0; d < D; ++d)
+          dst[d] = int8_t(std::clamp(std::nearbyint(ld(src, d) / sf), -127.f, 127.f));
+      } else {
+        (void)scales;
+        for (int64_t d = 0; d < D; ++d) st(dst, d, ld(src, d));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// The fused form of attention/reference.py's write_kv: k, v [T, KVH, D] into their slots of
+// kv_cache [2, NB, BS, KVH, D], quantized (with kv_scales [2, NB, BS, KVH]) if it is int8.
+void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping, const std::optional<at::Tensor>& kv_scales) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, KVH, D] tensor");
+  const int64_t KVH = kv_cache.size(3), D = kv_cache.size(4);
+  const int64_t rows = kv_cache.size(1) * kv_cache.size(2) * KVH;  // per half
+  for (const auto* x : {&k, &v}) {
+    TORCH_CHECK(x->dim() == 3 && x->size(1) == KVH && x->size(2) == D && x->stride(2) == 1,
+                "k and v must be [T, KVH, D] with contiguous rows matching the cache");
+    TORCH_CHECK(x->scalar_type() == k.scalar_type() && x->size(0) == slot_mapping.numel(),
+                "k, v and slot_mapping disagree");
+  }
+  auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < rows / KVH, "slot ", sp[t], " outside the cache");
+  const auto xt = k.scalar_type(), ct = kv_cache.scalar_type();
+  at::Half* scales = nullptr;
+  if (ct == at::kChar) {
+    TORCH_CHECK(kv_scales.has_value() && kv_scales->scalar_type() == at::kHalf &&
+                    kv_scales->is_contiguous() && kv_scales->numel() == 2 * rows,
+                "an int8 kv_cache needs contiguous float16 kv_scales [2, num_blocks, "
+                "block_size, KVH]");
+    scales = kv_scales->data_ptr<at::Half>();
+  }
+  auto go = [&](auto xtag, auto ctag) {
+    using XT = decltype(xtag);
+    using CT = decltype(ctag);
+    auto* c = reinterpret_cast<CT*>(kv_cache.data_ptr());
+    write_half<XT, CT>(k, c, scales, sp, KVH, D);
+    write_half<XT, CT>(v, c + rows * D, scales ? scales + rows : nullptr, sp, KVH, D);
+  };
+  const bool xf = xt == at::kFloat, xb = xt == at::kBFloat16;
+  if (xf && ct == at::kFloat) go(float{}, float{});
+  else if (xf && ct == at::kBFloat16) go(float{}, uint16_t{});
+  else if (xf && ct == at::kChar) go(float{}, int8_t{});
+  else if (xb && ct == at::kBFloat16) go(uint16_t{}, uint16_t{});
+  else if (xb && ct == at::kFloat) go(uint16_t{}, float{});
+  else if (xb && ct == at::kChar) go(uint16_t{}, int8_t{});
+  else TORCH_CHECK(false, "write_kv: ", xt, " keys into a ", ct, " cache are not supported");
 }
 
 }  // namespace ff

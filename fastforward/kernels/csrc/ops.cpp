@@ -10,7 +10,9 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, int64_t window,
-                           double softcap);
+                           double softcap, const std::optional<at::Tensor>& kv_scales);
+void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping, const std::optional<at::Tensor>& kv_scales);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
 at::Tensor gated_act(const at::Tensor& x, bool gelu);
 void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table);
@@ -24,7 +26,11 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("gated_act(Tensor x, bool gelu) -> Tensor", &ff::gated_act);
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table) -> ()", &ff::rope_);
   m.def(
+      "write_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping, "
+      "Tensor(b!)? kv_scales=None) -> ()",
+      &ff::write_kv);
+  m.def(
       "paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, "
-      "Tensor seq_lens, float scale, int window, float softcap) -> Tensor",
+      "Tensor seq_lens, float scale, int window, float softcap, Tensor? kv_scales=None) -> Tensor",
       &ff::paged_attention);
 }
