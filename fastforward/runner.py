@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
-from fastforward.kv.quant import SCALE_DTYPE, is_quantized
+from fastforward.kv.quant import allocate_kv_cache
 from fastforward.kv.spec import KVCacheConfig
 from fastforward.layers.logprobs import TokenLogprob, score_positions
 from fastforward.request import Request
@@ -61,16 +61,10 @@ class ModelRunner:
         self.device = device
         spec = kv_config.groups[0].spec
         shape = (2, kv_config.num_blocks, kv_config.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(kv_config.num_slots)
-        ]
         # a quantized cache keeps one scale per (token, head) vector beside each slot tensor
-        self.kv_scales = [
-            torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
-            if is_quantized(spec.dtype)
-            else None
-            for _ in range(kv_config.num_slots)
-        ]
+        slots = [allocate_kv_cache(shape, spec.dtype, device) for _ in range(kv_config.num_slots)]
+        self.kv_caches = [cache for cache, _ in slots]
+        self.kv_scales = [scales for _, scales in slots]
         self._bind_kv_caches()
 
     def _bind_kv_caches(self) -> None:

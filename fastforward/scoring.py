@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
-from fastforward.kv.quant import SCALE_DTYPE, is_quantized
+from fastforward.kv.quant import allocate_kv_cache
 
 
 @torch.inference_mode()
@@ -45,10 +45,7 @@ def score_tokens(
     try:
         for a in layers:
             shape = (2, num_blocks, block_size, a.num_kv_heads, a.head_dim)
-            a.kv_cache = torch.zeros(shape, dtype=kv_dtype)
-            a.kv_scales = (
-                torch.zeros(shape[:-1], dtype=SCALE_DTYPE) if is_quantized(kv_dtype) else None
-            )
+            a.kv_cache, a.kv_scales = allocate_kv_cache(shape, kv_dtype)
         hidden = model(ids, torch.arange(t), meta)
         logits = model.compute_logits(hidden[:-1]).float()
     finally:

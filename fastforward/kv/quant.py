@@ -38,6 +38,18 @@ def scale_bytes(dtype: torch.dtype) -> int:
     return SCALE_DTYPE.itemsize if is_quantized(dtype) else 0
 
 
+def allocate_kv_cache(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A zeroed cache ``[2, num_blocks, block_size, KVH, D]`` of ``dtype`` and, if that dtype
+    is quantized, its scales ``[2, num_blocks, block_size, KVH]`` (else None)."""
+    cache = torch.zeros(shape, dtype=dtype, device=device)
+    scales = (
+        torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if is_quantized(dtype) else None
+    )
+    return cache, scales
+
+
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., D]`` -> (int8 ``[..., D]``, scale ``[...]``) with ``x ~ q * scale``."""
     xf = x.float()

@@ -258,6 +258,20 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
   (void)T;
 }
 
+// Calls f(XT{}, CT{}) for the element types of an activation (fp32, bf16) and a cache (fp32,
+// bf16, int8) -- the pairs both ops below take.
+template <typename F>
+void dispatch_kv(at::ScalarType xt, at::ScalarType ct, const char* op, F&& f) {
+  const bool xf = xt == at::kFloat, xb = xt == at::kBFloat16;
+  if (xf && ct == at::kFloat) f(float{}, float{});
+  else if (xf && ct == at::kBFloat16) f(float{}, uint16_t{});
+  else if (xf && ct == at::kChar) f(float{}, int8_t{});
+  else if (xb && ct == at::kBFloat16) f(uint16_t{}, uint16_t{});
+  else if (xb && ct == at::kFloat) f(uint16_t{}, float{});
+  else if (xb && ct == at::kChar) f(uint16_t{}, int8_t{});
+  else TORCH_CHECK(false, op, ": ", xt, " with a ", ct, " cache is not supported");
+}
+
 }  // namespace
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
@@ -307,19 +321,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                 "kv_scales must be a contiguous float16 [2, num_blocks, block_size, KVH] tensor");
     sp = s.data_ptr<at::Half>();
   }
-  auto go = [&](auto qtag, auto ctag) {
-    using QT = decltype(qtag);
-    using CT = decltype(ctag);
-    run<QT, CT>(q, kv_cache, block_tables, qsl, sl, sp, g, out);
-  };
-  const bool qf = qt == at::kFloat, qb = qt == at::kBFloat16;
-  if (qf && ct == at::kFloat) go(float{}, float{});
-  else if (qf && ct == at::kBFloat16) go(float{}, uint16_t{});
-  else if (qf && ct == at::kChar) go(float{}, int8_t{});
-  else if (qb && ct == at::kBFloat16) go(uint16_t{}, uint16_t{});
-  else if (qb && ct == at::kFloat) go(uint16_t{}, float{});
-  else if (qb && ct == at::kChar) go(uint16_t{}, int8_t{});
-  else TORCH_CHECK(false, "paged_attention: q ", qt, " with a ", ct, " cache is not supported");
+  dispatch_kv(qt, ct, "paged_attention", [&](auto qtag, auto ctag) {
+    run<decltype(qtag), decltype(ctag)>(q, kv_cache, block_tables, qsl, sl, sp, g, out);
+  });
   return out;
 }
 
@@ -382,21 +386,13 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
                 "block_size, KVH]");
     scales = kv_scales->data_ptr<at::Half>();
   }
-  auto go = [&](auto xtag, auto ctag) {
+  dispatch_kv(xt, ct, "write_kv", [&](auto xtag, auto ctag) {
     using XT = decltype(xtag);
     using CT = decltype(ctag);
     auto* c = reinterpret_cast<CT*>(kv_cache.data_ptr());
     write_half<XT, CT>(k, c, scales, sp, KVH, D);
     write_half<XT, CT>(v, c + rows * D, scales ? scales + rows : nullptr, sp, KVH, D);
-  };
-  const bool xf = xt == at::kFloat, xb = xt == at::kBFloat16;
-  if (xf && ct == at::kFloat) go(float{}, float{});
-  else if (xf && ct == at::kBFloat16) go(float{}, uint16_t{});
-  else if (xf && ct == at::kChar) go(float{}, int8_t{});
-  else if (xb && ct == at::kBFloat16) go(uint16_t{}, uint16_t{});
-  else if (xb && ct == at::kFloat) go(uint16_t{}, float{});
-  else if (xb && ct == at::kChar) go(uint16_t{}, int8_t{});
-  else TORCH_CHECK(false, "write_kv: ", xt, " keys into a ", ct, " cache are not supported");
+  });
 }
 
 }  // namespace ff
