@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastforward.calibration import calibration_texts
 from fastforward.config import SchedulerConfig
 from fastforward.detokenizer import IncrementalDetokenizer
 from fastforward.hub import resolve_model
@@ -24,7 +25,7 @@ from fastforward.kernels.apply import (
     cpu_has_native_bf16,
     kernels_usable,
 )
-from fastforward.kv.calibrate import CALIBRATION_TOKENS, calibrate_key_scales, calibration_text
+from fastforward.kv.calibrate import CALIBRATION_TOKENS, calibrate_key_scales
 from fastforward.kv.manager import KVCacheManager
 from fastforward.kv.quant import is_quantized, resolve_kv_cache_dtype
 from fastforward.kv.spec import (
@@ -172,9 +173,9 @@ class LLMEngine:
         else:
             report = KernelReport("torch", reason=self._why_no_kernels)
         if is_quantized(self.kv_dtype):
-            text = calibration_text()
-            if text is not None:  # else keys are quantized per token alone
-                ids = loaded.tokenizer.encode(text)[:CALIBRATION_TOKENS]
+            texts = calibration_texts()
+            if texts:  # else keys are quantized per token alone
+                ids = loaded.tokenizer.encode(texts[0].text)[:CALIBRATION_TOKENS]
                 calibrate_key_scales(loaded.model, ids, self.dtype, self.args.block_size)
         return loaded, report
 

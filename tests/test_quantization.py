@@ -239,7 +239,7 @@ def test_gguf_blocks_load_packed(tiny_model_dir, tmp_path):
 # ---------------------------------------------------------------- models: round trips, scoring
 
 
-METHODS = ["int8", "int4", "int4-g64", "codebook4", "codebook8"]
+METHODS = ["int8", "int4", "int4-g64", "int4-gptq", "codebook4", "codebook8"]
 
 
 ROUND_TRIPS = [("llama3-rope-tied", m) for m in METHODS]  # tied: the embedding is the head

@@ -6,8 +6,8 @@ with one scale per token spends its 255 levels on those channels and rounds the 
 levels: perplexity +9% on Qwen2.5-Coder-0.5B. KIVI quantizes keys per channel for this reason.
 
 Here each layer gets a static scale ``m`` per KV head and channel: the largest ``|k|`` seen in
-that channel over a calibration text (``/usr/share/common-licenses/Apache-2.0``, else CPython's
-LICENSE.txt; not the GPL-3 that ``fastforward eval`` scores), made equal within each RoPE pair so that it commutes with
+that channel over a calibration text (the first of ``fastforward.calibration``'s: the Apache
+License 2.0 as Debian ships it; not the GPL-3 that ``fastforward eval`` scores), made equal within each RoPE pair so that it commutes with
 the rotation. The cache stores ``k / m`` (quantized per token as before) and attention multiplies
 queries by ``m``: ``(q * m) . (k / m) = q . k`` exactly, and the per-token scale now sees
 channels of similar size. One forward pass at engine start, no change to the kernels.
@@ -15,26 +15,12 @@ channels of similar size. One forward pass at engine start, no change to the ker
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from fastforward.scoring import score_tokens
 
 CALIBRATION_TOKENS = 512
-APACHE = Path("/usr/share/common-licenses/Apache-2.0")
-
-
-def calibration_text() -> str | None:
-    """The Apache License 2.0 as Debian ships it, else CPython's own LICENSE.txt; None if
-    neither is on the machine."""
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    for path in (APACHE, Path(sys.base_prefix) / "lib" / version / "LICENSE.txt"):
-        if path.is_file():
-            return path.read_text(encoding="utf-8", errors="replace")
-    return None
 
 
 def pair_rotary(amax: torch.Tensor, rotary_dim: int) -> torch.Tensor:

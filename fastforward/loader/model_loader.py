@@ -61,7 +61,7 @@ def load_model(
     spec = parse_quantization(quantization)
     report = None
     if spec is not None or is_quantized_checkpoint(ckpt):
-        model, report = load_quantized_model(model, ckpt, spec, dtype, device)
+        model, report = load_quantized_model(model, ckpt, spec, dtype, device, tokenizer)
     else:
         model = model.to(dtype=dtype).to_empty(device=device)
         model.load_weights(ckpt.tensors())

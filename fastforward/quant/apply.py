@@ -16,6 +16,7 @@ from fastforward.quant import int4pack
 from fastforward.quant.base import ConcatLinear, QuantizedEmbedding, QuantizedLinear
 from fastforward.quant.codebook import CodebookLinear
 from fastforward.quant.formats import QuantSpec
+from fastforward.quant.gptq import gptq_int4
 from fastforward.quant.int4 import Int4Linear
 from fastforward.quant.int8 import Int8Linear
 from fastforward.quant.kmeans import quantize_codebook
@@ -38,8 +39,11 @@ def quantize_linear(
     bias: torch.Tensor | None,
     out_sizes: list[int] | None,
     spec: QuantSpec,
+    hessian: torch.Tensor | None = None,
 ) -> QuantizedLinear | str:
-    """A quantized module for a float ``[N, K]`` weight, or the reason it cannot be one."""
+    """A quantized module for a float ``[N, K]`` weight, or the reason it cannot be one.
+    With a GPTQ ``spec``, ``hessian`` (of the layer's inputs) picks the int4 codes; without
+    one the weight is rounded to nearest."""
     n, k = weight.shape
     w = weight.detach().float()
     if spec.method == "int8":
@@ -54,20 +58,30 @@ def quantize_linear(
             return CodebookLinear(quantize_codebook(w, spec.num_centroids, group), bias, out_sizes)
         if not int4pack.int4_shape_ok(n, k, group):
             return f"int4 kernel needs out % 16 == 0 and in % 32 == 0, got [{n}, {k}]"
+        if spec.gptq and hessian is not None:
+            return Int4Linear(gptq_int4(w, hessian, group), bias, out_sizes)
         return Int4Linear(quantize_int4(w, group), bias, out_sizes)
     raise ValueError(f"quantization method {spec.method!r} needs the checkpoint (see load_model)")
 
 
-def quantize_model(model: nn.Module, spec: QuantSpec, dtype: torch.dtype) -> QuantReport:
+def quantize_model(
+    model: nn.Module,
+    spec: QuantSpec,
+    dtype: torch.dtype,
+    hessians: dict[str, torch.Tensor] | None = None,
+) -> QuantReport:
     """Swap the linears and embeddings of a float model (ideally float32, as loaded) for packed
-    ones, then cast the remaining float parameters to ``dtype``."""
+    ones, then cast the remaining float parameters to ``dtype``. ``hessians`` (GPTQ; by module
+    name, from ``gptq.collect_hessians``) are consumed as their modules are quantized."""
+    hessians = {} if hessians is None else hessians
     report = QuantReport(spec.name)
     targets = [
         (name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)
     ]
     for name, module in targets:
         bias = module.bias if isinstance(module, nn.Linear) else None
-        new = quantize_linear(module.weight, bias, getattr(module, "out_sizes", None), spec)
+        out_sizes = getattr(module, "out_sizes", None)
+        new = quantize_linear(module.weight, bias, out_sizes, spec, hessians.pop(name, None))
         if isinstance(new, str):
             report.skipped[name] = new
             continue

@@ -22,6 +22,7 @@ class QuantSpec:
     method: str  # int8 | int4 | codebook | gguf
     group_size: int = 0  # int4
     num_centroids: int = 0  # codebook (group_size: inputs per scale)
+    gptq: bool = False  # int4 codes chosen by GPTQ on calibration text (quant/gptq.py)
 
 
 METHODS: dict[str, QuantSpec] = {
@@ -30,6 +31,9 @@ METHODS: dict[str, QuantSpec] = {
     "int4-g32": QuantSpec("int4", "int4", group_size=32),
     "int4-g64": QuantSpec("int4-g64", "int4", group_size=64),
     "int4-g128": QuantSpec("int4-g128", "int4", group_size=128),
+    "int4-gptq": QuantSpec("int4-gptq", "int4", group_size=32, gptq=True),
+    "int4-g64-gptq": QuantSpec("int4-g64-gptq", "int4", group_size=64, gptq=True),
+    "int4-g128-gptq": QuantSpec("int4-g128-gptq", "int4", group_size=128, gptq=True),
     "codebook4": QuantSpec("codebook4", "codebook", group_size=32, num_centroids=16),
     "codebook4-g64": QuantSpec("codebook4-g64", "codebook", group_size=64, num_centroids=16),
     "codebook8": QuantSpec("codebook8", "codebook", group_size=128, num_centroids=256),

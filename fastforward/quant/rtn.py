@@ -53,7 +53,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weights:
     """Asymmetric group-wise int4 (the layout of ``_weight_int4pack_mm_for_cpu``), with a
     per-group search over how much of the range to clip."""
     parts = [
-        _quantize_int4_rows(weight[i : i + _ROWS], group_size) for i in range(0, len(weight), _ROWS)
+        quantize_int4_rows(weight[i : i + _ROWS], group_size) for i in range(0, len(weight), _ROWS)
     ]
     return Int4Weights(
         torch.cat([p[0] for p in parts]),
@@ -63,7 +63,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weights:
     )
 
 
-def _quantize_int4_rows(weight: torch.Tensor, group_size: int):
+def quantize_int4_rows(weight: torch.Tensor, group_size: int):
     n, k = weight.shape
     w = weight.float().view(n, k // group_size, group_size)
     lo, hi = w.amin(dim=2), w.amax(dim=2)
