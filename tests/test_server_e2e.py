@@ -816,6 +816,17 @@ def test_tokenize_detokenize(http, offline):
     assert_error(http.post("/tokenize", json={"prompt": "a", "model": "gpt-4"}), 404, "model")
 
 
+def test_tokenizer_info_drives_a_remote_tokenizer(http, offline):
+    """What lm-evaluation-harness's remote tokenizer reads: the special tokens as text, which
+    /tokenize turns back into their ids, and the chat template."""
+    tok = offline.get_tokenizer()
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token_id"] == tok.eos_token_id and info["chat_template"] == tok.chat_template
+    eos = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos.json()["tokens"] == [tok.eos_token_id]
+    assert info["model_max_length"] > 0 and info["vocab_size"] >= len(tok)
+
+
 # ---- errors --------------------------------------------------------------------------------
 
 CMPL = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}

@@ -163,6 +163,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         return api.detokenize(req)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return api.tokenizer_info()
+
     return GuardMiddleware(app, config)  # type: ignore[return-value]
 
 
@@ -457,6 +461,29 @@ class OpenAIServing:
         if bad:
             raise APIError(f"token ids must be in [0, {vocab}), got {bad[0]}", param="tokens")
         return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's ``/tokenizer_info``: the special tokens and chat template, which is what
+        lm-evaluation-harness's ``tokenizer_backend=remote`` reads (with ``/tokenize``)."""
+        tok = self.tokenizer
+
+        def text(token_id: int | None) -> str | None:
+            return None if token_id is None else tok.id_to_token(token_id)
+
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "bos_token": text(tok.bos_token_id),
+            "eos_token": text(tok.eos_token_id),
+            "pad_token": text(tok.pad_token_id),
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id,
+            "add_bos_token": tok.add_bos_token,
+            "add_eos_token": tok.add_eos_token,
+            "chat_template": tok.chat_template,
+            "model_max_length": self.max_model_len,
+            "vocab_size": self.engine.engine.model_config.vocab_size,
+        }
 
     def _chat_text(self, messages, add_generation_prompt: bool, tools) -> str:
         try:
