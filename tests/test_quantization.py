@@ -4,6 +4,7 @@ path against HF transformers, the CLI, and (slow) real SmolLM2 output."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -14,7 +15,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from fastforward import LLM, SamplingParams
+from fastforward import LLM, SamplingParams, kernels
 from fastforward.entrypoints.cli import main
 from fastforward.entrypoints.quantize import quantize_to_dir
 from fastforward.loader.gguf_weights import GGUFCheckpoint
@@ -48,7 +49,7 @@ def _modules() -> dict[str, QuantizedLinear]:
     w = _weight()
     codes = torch.randint(-32, 32, (N, K), generator=torch.Generator().manual_seed(1))
     scales = torch.rand(N, K // 16, generator=torch.Generator().manual_seed(2)) * 0.01
-    return {
+    modules = {
         "int8": Int8Linear(quantize_int8(w)),
         "int4-g32": Int4Linear(quantize_int4(w, 32)),
         "int4-g64": Int4Linear(quantize_int4(w, 64)),
@@ -57,6 +58,12 @@ def _modules() -> dict[str, QuantizedLinear]:
         "codebook4": CodebookLinear(quantize_codebook(w, 16, 32)),
         "codebook8": CodebookLinear(quantize_codebook(w, 256, 128)),
     }
+    if kernels.available() and kernels.ops().linear_q4_native():
+        for name in ("int4-g32", "int4-g64", "int4-g128", "codebook4"):
+            native = copy.deepcopy(modules[name])
+            native.use_native_kernel()
+            modules[f"{name}-native"] = native
+    return modules
 
 
 # ---------------------------------------------------------------- packed matmul == dequantize
@@ -66,7 +73,7 @@ def _modules() -> dict[str, QuantizedLinear]:
 @pytest.mark.parametrize("rows", [1, 3, "dense"])  # the packed kernel and the dense path
 def test_quantized_matmul_equals_dequantize_then_matmul(name, rows):
     module = _modules()[name]
-    rows = module.packed_rows_max + 3 if rows == "dense" else rows
+    rows = module.kernel_rows_max + 3 if rows == "dense" else rows
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     expected = x.float() @ module.dequantize().t()
     got = module(x).float()
@@ -81,6 +88,29 @@ def test_embedding_rows_are_dequantized_rows(name):
     ids = torch.tensor([[0, 95, 17], [64, 80, 3]])  # rows in full blocks and in the tail
     emb = QuantizedEmbedding(module, torch.float32)
     assert torch.equal(emb(ids), module.dequantize()[ids])
+
+
+@pytest.mark.skipif(
+    not (kernels.available() and kernels.ops().linear_q4_native()), reason="no AVX512-BF16 kernel"
+)
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g64", "int4-g128", "codebook4"])
+def test_native_4bit_layout_keeps_the_values(name):
+    """Moving onto fastforward's 4-bit kernel repacks the same codes, scales and zeros: the
+    dequantized weight, the embedding rows and the checkpoint tensors are bit for bit the same,
+    and the matmul agrees with the PyTorch path's within bf16 rounding."""
+    modules = _modules()
+    plain, native = modules[name], modules[f"{name}-native"]
+    assert native.native and not plain.native
+    assert torch.equal(native.dequantize(), plain.dequantize())
+    ids = torch.tensor([0, 95, 17, 64])
+    assert torch.equal(native.rows(ids), plain.rows(ids))
+    a, b = plain.packed_state(), native.packed_state()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    expected = plain(x).float()
+    torch.testing.assert_close(
+        native(x).float(), expected, atol=1e-2 * expected.abs().max(), rtol=0
+    )
 
 
 def test_quantizers_error_is_small_and_ordered():

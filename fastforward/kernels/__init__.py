@@ -1,5 +1,6 @@
 """fastforward's own CPU kernels (C++, vectorised for the machine's SIMD width, threaded with
-ATen's pool), built on first use: a bf16-weight linear layer, paged attention that reads the
+ATen's pool), built on first use: a bf16-weight linear layer, a 4-bit one (int4 and codebook
+weights through a 16-entry table, AVX512-BF16), paged attention that reads the
 block-paged KV cache in place, RMSNorm, gated activations and RoPE. ``available()`` says whether they loaded; every caller keeps
 the plain PyTorch path as the fallback and as the reference the tests compare against."""
 

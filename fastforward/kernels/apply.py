@@ -34,6 +34,7 @@ class KernelReport:
     mode: str  # "native" when the kernels are in use, else "torch"
     linears: list[str] = field(default_factory=list)
     attention_layers: int = 0
+    quantized: list[str] = field(default_factory=list)  # 4-bit layers on linear_q4
     reason: str = ""  # why the native kernels are not used, when they are not
 
 
@@ -71,8 +72,16 @@ def kernels_usable(mode: str, device: torch.device) -> tuple[bool, str]:
 def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
     """Attention, RoPE, RMSNorm and gated activations take the native kernels (float32 or bf16);
     with bf16 weights every float linear layer, and a tied output projection, becomes a
-    ``PackedLinear``."""
+    ``PackedLinear``; int4 and 16-centroid codebook layers move onto ``linear_q4`` where the CPU
+    has AVX512-BF16."""
     report = KernelReport("native")
+    if kernels.ops().linear_q4_native():
+        # 4-bit weights compute in bf16 whatever the engine dtype (quant/base.py)
+        for name, module in model.named_modules():
+            if callable(getattr(module, "use_native_kernel", None)):
+                module.use_native_kernel()
+                if module.native:
+                    report.quantized.append(name)
     if dtype not in (torch.float32, torch.bfloat16):
         report.reason = f"no native kernels for {dtype}"
         return report

@@ -57,6 +57,11 @@ class QuantizedLinear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @property
+    def kernel_rows_max(self) -> int:
+        """Batches up to this many rows run the packed kernel in use; larger ones go dense."""
+        return self.packed_rows_max
+
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> None:
         """A fused layer's bias arrives one projection at a time (the packed weight does not
         come through here)."""

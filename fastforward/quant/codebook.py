@@ -5,9 +5,11 @@
 (4.5 bits per weight, like int4-g64). ``codebook4-g64``: scales per 64 (4.25 bits, like
 int4-g128). ``codebook8``: 256 centroids, one byte per index, scales per 128 (8.125 bits).
 
-No PyTorch CPU kernel does a table lookup inside a matmul, so every call looks the weight up
-into bf16 and runs the dense bf16 matmul: the memory at rest is small, but a decode step is
-slower than plain bf16 (docs/quantization.md has the numbers).
+No PyTorch CPU kernel does a table lookup inside a matmul. On the PyTorch path every call looks
+the weight up into bf16 and runs the dense bf16 matmul: the memory at rest is small, but a decode
+step is slower than plain bf16. Once the engine switches the model onto fastforward's kernels,
+16-centroid matrices run ``torch.ops.fastforward.linear_q4`` (the int4 kernel with the centroids
+as its 16-entry table, ``q4pack.py``'s layout), which reads the 4-bit indices in place.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fastforward.quant import int4pack
+from fastforward.quant import int4pack, q4pack
 from fastforward.quant.base import QuantizedLinear
 from fastforward.quant.kmeans import CodebookWeights
 from fastforward.quant.rtn import KERNEL_DTYPE
@@ -25,6 +27,7 @@ from fastforward.quant.rtn import KERNEL_DTYPE
 
 class CodebookLinear(QuantizedLinear):
     format = "codebook"
+    native_rows_max = 256  # as int4 (benchmarks/bench_quant_kernels.py)
 
     def __init__(self, q: CodebookWeights, bias=None, out_sizes=None) -> None:
         n, k = q.indices.shape
@@ -36,11 +39,30 @@ class CodebookLinear(QuantizedLinear):
         self.register_buffer("indices", stored.contiguous())
         self.register_buffer("centroids", q.centroids.to(KERNEL_DTYPE).contiguous())  # [C]
         self.register_buffer("scales", q.scales.to(KERNEL_DTYPE).contiguous())  # [N, K/g]
+        self.native = False  # indices and scales in linear_q4's layout
+
+    def use_native_kernel(self) -> None:
+        """16 centroids: repack indices and scales for ``torch.ops.fastforward.linear_q4``."""
+        ok = self.nibbles and q4pack.shape_ok(self.out_features, self.in_features, self.group_size)
+        if self.native or not ok:
+            return
+        self.indices = q4pack.pack(int4pack.unpack_plain(self.indices))  # [N/16, K/4, 32]
+        self.scales = q4pack.pack_scales(self.scales)  # [N/16, K/g, 1, 16]
+        self.centroids = torch.cat((self.centroids, self.centroids.new_zeros(16)))[:16]
+        self.native = True
+
+    def _plain(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices (plain layout) and ``[N, K/g]`` scales."""
+        if not self.native:
+            return self.indices, self.scales
+        (scales,) = q4pack.unpack_scales(self.scales)
+        return int4pack.pack_plain(q4pack.unpack(self.indices)), scales
 
     def _lookup(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or rows ``index`` of it) in bf16."""
-        idx = self.indices if index is None else self.indices[index]
-        scales = self.scales if index is None else self.scales[index]
+        indices, scales = self._plain()
+        idx = indices if index is None else indices[index]
+        scales = scales if index is None else scales[index]
         r, g = idx.shape[0], self.group_size
         if self.nibbles:
             # one lookup per byte: a 256-entry table of (low, high) centroid pairs
@@ -51,7 +73,15 @@ class CodebookLinear(QuantizedLinear):
         levels = F.embedding(idx.to(torch.int32), table).view(r, -1, g)
         return (levels * scales[..., None]).view(r, self.in_features)
 
+    @property
+    def kernel_rows_max(self) -> int:
+        return self.native_rows_max if self.native else 0  # the PyTorch path is always dense
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.shape[0] <= self.native_rows_max:
+            return torch.ops.fastforward.linear_q4(
+                x, self.indices, self.scales, self.centroids, self.group_size
+            )
         return F.linear(x, self._lookup())
 
     def dense_bf16(self) -> torch.Tensor:
@@ -64,7 +94,9 @@ class CodebookLinear(QuantizedLinear):
         return self._lookup(index).float()
 
     def packed_state(self) -> dict[str, torch.Tensor]:
-        return {"indices": self.indices, "centroids": self.centroids, "scales": self.scales}
+        indices, scales = self._plain()
+        centroids = self.centroids[: self.num_centroids]
+        return {"indices": indices, "centroids": centroids, "scales": scales}
 
     def config(self) -> dict[str, Any]:
         return super().config() | {

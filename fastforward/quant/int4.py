@@ -1,6 +1,11 @@
-"""int4 group-wise weights on PyTorch's CPU kernel ``aten._weight_int4pack_mm_for_cpu``:
-``w = (code - 8) * scale + zero`` per group of 32/64/128 inputs, scales and zeros in bf16.
-Our ``int4`` quantizer and the GGUF Q4_0/Q4_1/Q4_K blocks both land here."""
+"""int4 group-wise weights: ``w = (code - 8) * scale + zero`` per group of 32/64/128 inputs,
+scales and zeros in bf16. Our ``int4`` quantizer and the GGUF Q4_0/Q4_1/Q4_K blocks both land
+here.
+
+Two kernels, one set of values: PyTorch's ``aten._weight_int4pack_mm_for_cpu`` (its own
+CPU-dependent packing, ``int4pack.py``), and, once the engine switches the model onto
+fastforward's kernels, ``torch.ops.fastforward.linear_q4`` (``q4pack.py``; faster, and its cost
+grows more slowly with the rows)."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fastforward.quant import int4pack
+from fastforward.quant import int4pack, q4pack
 from fastforward.quant.base import QuantizedLinear
 from fastforward.quant.gguf_blocks import BlockCodes
 from fastforward.quant.rtn import KERNEL_DTYPE, Int4Weights
@@ -17,7 +22,8 @@ from fastforward.quant.rtn import KERNEL_DTYPE, Int4Weights
 
 class Int4Linear(QuantizedLinear):
     format = "int4"
-    packed_rows_max = 256  # unpacking the kernel layout costs about the kernel at 256 rows
+    packed_rows_max = 256  # unpacking the ATen layout costs about its kernel at 256 rows
+    native_rows_max = 256  # its cost grows with the rows; dequantizing for a dense matmul does not
 
     def __init__(self, q: Int4Weights, bias=None, out_sizes=None) -> None:
         n, k = q.codes.shape
@@ -27,12 +33,32 @@ class Int4Linear(QuantizedLinear):
                 f"int4 kernel cannot take a [{n}, {k}] weight in groups of {q.group_size}"
             )
         self.group_size = q.group_size
+        self.native = False  # which kernel's layout ``packed`` and ``scales_and_zeros`` hold
         self.register_buffer("packed", int4pack.to_kernel_layout(q.codes))  # [N, K/2] uint8
         sz = torch.stack((q.scales, q.zeros), dim=-1).to(KERNEL_DTYPE)  # [N, K/g, 2]
         self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous())  # [K/g, N, 2]
+        self.register_buffer("levels", None)
+
+    def use_native_kernel(self) -> None:
+        """Repack the same codes, scales and zeros for ``torch.ops.fastforward.linear_q4``."""
+        if self.native:
+            return
+        codes, (s, z) = self.unpacked_codes(), self._scales_zeros()
+        self.packed = q4pack.pack(codes)  # [N/16, K/4, 32]
+        self.scales_and_zeros = q4pack.pack_scales(s, z)  # [N/16, K/g, 2, 16]
+        self.levels = (torch.arange(16) - 8).to(KERNEL_DTYPE)
+        self.native = True
+
+    @property
+    def kernel_rows_max(self) -> int:
+        return self.native_rows_max if self.native else self.packed_rows_max
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.packed_rows_max:
+        if self.native and x.shape[0] <= self.native_rows_max:
+            return torch.ops.fastforward.linear_q4(
+                x, self.packed, self.scales_and_zeros, self.levels, self.group_size
+            )
+        if not self.native and x.shape[0] <= self.packed_rows_max:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.packed, self.group_size, self.scales_and_zeros
             )
@@ -40,13 +66,23 @@ class Int4Linear(QuantizedLinear):
 
     def unpacked_codes(self) -> torch.Tensor:
         """``[N, K]`` uint8 codes in 0..15."""
+        if self.native:
+            return q4pack.unpack(self.packed)
         return int4pack.from_kernel_layout(self.packed, self.in_features)
 
+    def _scales_zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales and zeros, ``[N, K/g]`` each (bf16)."""
+        if self.native:
+            s, z = q4pack.unpack_scales(self.scales_and_zeros)
+            return s, z
+        return self.scales_and_zeros[..., 0].t(), self.scales_and_zeros[..., 1].t()
+
     def _affine(self, codes: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
-        sz = self.scales_and_zeros if index is None else self.scales_and_zeros[:, index]
-        s, z = sz[..., 0].t().float(), sz[..., 1].t().float()  # [R, K/g]
+        s, z = self._scales_zeros()
+        if index is not None:
+            s, z = s[index], z[index]
         r, g = codes.shape[0], self.group_size
-        w = (codes.float().view(r, -1, g) - 8) * s[..., None] + z[..., None]
+        w = (codes.float().view(r, -1, g) - 8) * s.float()[..., None] + z.float()[..., None]
         return w.view(r, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
@@ -56,17 +92,21 @@ class Int4Linear(QuantizedLinear):
         # in bf16 throughout (code - 8 is exact): faster than the float32 path for prefill
         n, g = self.out_features, self.group_size
         codes = self.unpacked_codes().view(n, -1, g).to(KERNEL_DTYPE) - 8
-        s, z = self.scales_and_zeros[..., 0].t(), self.scales_and_zeros[..., 1].t()
+        s, z = self._scales_zeros()
         return (codes * s[..., None] + z[..., None]).view(n, self.in_features)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
-        codes = int4pack.kernel_layout_rows(self.packed, self.in_features, index)
+        if self.native:
+            codes = q4pack.rows(self.packed, index)
+        else:
+            codes = int4pack.kernel_layout_rows(self.packed, self.in_features, index)
         return self._affine(codes, index)
 
     def packed_state(self) -> dict[str, torch.Tensor]:
+        s, z = self._scales_zeros()
         return {
             "codes": int4pack.pack_plain(self.unpacked_codes()),
-            "scales_and_zeros": self.scales_and_zeros,
+            "scales_and_zeros": torch.stack((s, z), dim=-1).transpose(0, 1).contiguous(),
         }
 
     def config(self) -> dict[str, Any]:

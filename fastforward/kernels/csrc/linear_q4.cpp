@@ -1,0 +1,211 @@
+// y = x @ W^T for 4-bit weights looked up through a 16-entry table, with a scale (and an
+// optional zero) per group of inputs: W[n, k] = table[code[n, k]] * s[n, g] + z[n, g]. One
+// kernel serves int4 group-wise weights (table = code - 8, zeros) and codebook weights
+// (table = the matrix's 16 centroids, no zeros), GGUF Q4_0/Q4_1/Q4_K included.
+//
+// Per group the kernel computes d = sum_k x[k] * table[code[k]] with AVX512-BF16 dot products
+// (vdpbf16ps: two bf16 products per fp32 lane, fp32 accumulation), then
+// y += s * d + z * sum_k x[k]. Codes are unpacked in registers: 32 bytes hold 64 codes of a
+// tile of 16 outputs x 4 inputs; one zero-extension to words, one shift and two word
+// permutations (vpermw, the table in one register) give the 64 bf16 weights. Nothing is
+// expanded in memory, so a decode step reads 4 bits per weight plus the group scales.
+//
+// Packed layout (fastforward/quant/q4pack.py): [N/16][K/4][32] bytes; in the 32 bytes of tile t
+// and input quad p, byte 2i holds code[16t+i][4p] (low nibble) and code[16t+i][4p+2] (high),
+// byte 2i+1 holds code[16t+i][4p+1] and code[16t+i][4p+3]. Scales (and zeros) are
+// [N/16][G][C][16] bf16, C = 1 (scales) or 2 (scales, zeros): one read per tile and group.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "vec.h"
+
+namespace ff {
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kQ4Native = true;
+#else
+constexpr bool kQ4Native = false;
+#endif
+
+bool linear_q4_native() { return kQ4Native; }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+namespace {
+
+constexpr int TILE = 16;
+constexpr int QUAD_BYTES = 32;
+constexpr int MR_MAX = 4;
+#ifndef FF_Q4_PF
+#define FF_Q4_PF 32  // quads (1 KiB) ahead on each tile's stream: ~15% at one row, measured
+#endif
+
+inline __m512 load_bf16x16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512i splat_pair(const uint16_t* p) {  // (p[0], p[1]) in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// MR rows x NT tiles from tile t0. One row keeps the low and high halves of each quad in two
+// dot-product chains (8 chains with NT = 4) to cover vdpbf16ps's latency; more rows have
+// MR x NT independent chains already.
+template <int MR, int NT>
+void block(const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, int C,
+           const float* sx, int64_t G, int64_t quads_per_group, __m512i table, int64_t t0,
+           uint16_t* y, int64_t N) {
+  constexpr bool SPLIT = MR == 1;
+  const int64_t tile_bytes = K / 4 * QUAD_BYTES;
+  const uint8_t* wt = w + t0 * tile_bytes;
+  __m512 acc[MR][NT];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 dl[MR][NT], dh[MR][NT];
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) dl[m][t] = dh[m][t] = _mm512_setzero_ps();
+    const int64_t q0 = g * quads_per_group;
+    for (int64_t q = q0; q < q0 + quads_per_group; ++q) {
+      __m512i xl[MR], xh[MR];
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        xl[m] = splat_pair(x + m * K + 4 * q);
+        xh[m] = splat_pair(x + m * K + 4 * q + 2);
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) {
+        if (FF_Q4_PF > 0 && (q & 1) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(wt + t * tile_bytes + (q + FF_Q4_PF) * QUAD_BYTES), _MM_HINT_T0);
+        const __m256i bytes =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + t * tile_bytes + q * QUAD_BYTES));
+        const __m512i b = _mm512_cvtepu8_epi16(bytes);
+        // vpermw reads index bits 0-4: bit 4 (the high nibble's lowest) picks between two
+        // equal halves of the 32-entry table, so the low nibble needs no mask.
+        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(b, table);
+        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          dl[m][t] = _mm512_dpbf16_ps(dl[m][t], (__m512bh)xl[m], lo);
+          if constexpr (SPLIT) dh[m][t] = _mm512_dpbf16_ps(dh[m][t], (__m512bh)xh[m], hi);
+          else dl[m][t] = _mm512_dpbf16_ps(dl[m][t], (__m512bh)xh[m], hi);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      const uint16_t* st = sz + ((t0 + t) * G + g) * C * TILE;
+      const __m512 s = load_bf16x16(st);
+      const __m512 z = C == 2 ? load_bf16x16(st + TILE) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m512 d = SPLIT ? _mm512_add_ps(dl[m][t], dh[m][t]) : dl[m][t];
+        acc[m][t] = _mm512_fmadd_ps(s, d, acc[m][t]);
+        if (C == 2) acc[m][t] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[m * G + g]), acc[m][t]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      const __m256bh out = _mm512_cvtneps_pbh(acc[m][t]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (t0 + t) * TILE), (__m256i)out);
+    }
+}
+
+template <int NT>
+void rows(int r, const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, int C,
+          const float* sx, int64_t G, int64_t qpg, __m512i table, int64_t t0, uint16_t* y,
+          int64_t N) {
+  switch (r) {
+    case 1: return block<1, NT>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
+    case 2: return block<2, NT>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
+    case 3: return block<3, NT>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
+    case 4: return block<4, NT>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
+    default: TORCH_CHECK(false, "bad row block ", r);
+  }
+}
+
+}  // namespace
+#endif
+
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
+                     const at::Tensor& table, int64_t group_size) {
+  TORCH_CHECK(kQ4Native, "linear_q4 needs AVX512-BF16 (this build has no 4-bit kernel)");
+  TORCH_CHECK(wq.dim() == 3 && wq.size(2) == 32 && wq.scalar_type() == at::kByte &&
+                  wq.is_contiguous(),
+              "packed codes must be a contiguous [N/16, K/4, 32] uint8 tensor");
+  const int64_t tiles = wq.size(0), K = wq.size(1) * 4, N = tiles * 16;
+  TORCH_CHECK(group_size >= 4 && group_size % 4 == 0 && K % group_size == 0,
+              "group size ", group_size, " must be a multiple of 4 dividing K=", K);
+  const int64_t G = K / group_size;
+  TORCH_CHECK(sz.dim() == 4 && sz.size(0) == tiles && sz.size(1) == G &&
+                  (sz.size(2) == 1 || sz.size(2) == 2) && sz.size(3) == 16 &&
+                  sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(),
+              "scales must be a contiguous [N/16, K/group, 1 or 2, 16] bf16 tensor");
+  TORCH_CHECK(table.numel() == 16 && table.scalar_type() == at::kBFloat16,
+              "table must hold 16 bf16 values");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K,
+              " features");
+  auto xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  auto y = at::empty({M, N}, x.options());
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (M == 0) return y.view(out_sizes);
+  const int C = int(sz.size(2));
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  // Per row and group, the sum of x (the zeros' term).
+  std::vector<float> sx(C == 2 ? M * G : 0);
+  for (int64_t m = 0; m < (C == 2 ? M : 0); ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k)
+        s += bf16_to_float(xp[m * K + k]);
+      sx[m * G + g] = s;
+    }
+  auto tc = table.contiguous();
+  alignas(64) uint16_t tab[32];
+  std::memcpy(tab, tc.data_ptr(), 32);
+  std::memcpy(tab + 16, tc.data_ptr(), 32);
+  const __m512i tv = _mm512_load_si512(tab);
+  const auto* wp = wq.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  constexpr int NT = 4;
+  const int64_t blocks = (tiles + NT - 1) / NT;
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / (K * NT * 8));  // >= 32 KiB of codes
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t t0 = b * NT;
+      const int nt = int(std::min<int64_t>(NT, tiles - t0));
+      for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+        const int r = int(std::min<int64_t>(MR_MAX, M - m0));
+        const float* sxm = sx.empty() ? nullptr : sx.data() + m0 * G;
+        const uint16_t* xm = xp + m0 * K;
+        uint16_t* ym = yp + m0 * N;
+        if (nt == NT && r <= 2) {
+          rows<4>(r, xm, K, wp, sp, C, sxm, G, group_size / 4, tv, t0, ym, N);
+        } else if (nt == NT) {  // 3-4 rows: two tiles at a time
+          rows<2>(r, xm, K, wp, sp, C, sxm, G, group_size / 4, tv, t0, ym, N);
+          rows<2>(r, xm, K, wp, sp, C, sxm, G, group_size / 4, tv, t0 + 2, ym, N);
+        } else {
+          for (int t = 0; t < nt; ++t)
+            rows<1>(r, xm, K, wp, sp, C, sxm, G, group_size / 4, tv, t0 + t, ym, N);
+        }
+      }
+    }
+  });
+#endif
+  return y.view(out_sizes);
+}
+
+}  // namespace ff
