@@ -90,7 +90,7 @@ def main() -> None:
     shapes = per_layer * layers + [head]
     rows = [int(r) for r in ns.rows.split(",")]
     print(f"{ns.model}: ms per pass over {len(shapes)} matrices, 1 thread")
-    print(f"{'format':<12}{'path':<8}" + "".join(f"{f'M={r}':>10}" for r in rows))
+    print(f"{'format':<18}{'path':<8}" + "".join(f"{f'M={r}':>10}" for r in rows))
     baseline = {}
     for fmt in ns.formats.split(","):
         modules = [(_random_module(fmt, n, k), k) for n, k in shapes]
@@ -110,7 +110,7 @@ def main() -> None:
                 cells.append(
                     f"{ms:7.1f}" + (f"/{baseline[r] / ms:.1f}x" if fmt != "bf16" else "   ")
                 )
-            print(f"{fmt:<12}{path:<8}" + "".join(f"{c:>10}" for c in cells), flush=True)
+            print(f"{fmt:<18}{path:<8}" + "".join(f"{c:>10}" for c in cells), flush=True)
         del modules
 
 

@@ -122,8 +122,9 @@ def test_greedy_on_smollm2_parts_from_the_fp32_cache_only_at_near_ties(greedy_fp
 
 def test_prefix_cache_hits_read_the_quantized_blocks(smollm2_path):
     """A prompt served from int8 blocks cached by an earlier request decodes exactly as when
-    computed afresh. In fp32: in bf16 the suffix after a hit runs the paged kernel and the fresh
-    prompt SDPA, whose roundings flip a greedy near-tie on the AMD CI machine."""
+    computed afresh. In fp32: in bf16 the few-row suffix after a hit and the whole fresh prompt
+    take different kernels (packed linear and paged attention against oneDNN and SDPA), whose
+    roundings flipped a greedy near-tie on an AMD CI machine."""
     shared = "A long shared system prompt about the history of mathematics and its uses. " * 4
     prompts = [shared + "First question:", shared + "Second question:"]
     params = SamplingParams(max_tokens=16, temperature=0.0)

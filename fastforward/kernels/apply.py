@@ -15,6 +15,7 @@ from fastforward.layers.activation import GatedActivation
 from fastforward.layers.attention import Attention
 from fastforward.layers.norm import RMSNorm
 from fastforward.layers.rotary import RotaryEmbedding
+from fastforward.quant.base import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
     if kernels.ops().linear_q4_native():
         # 4-bit weights compute in bf16 whatever the engine dtype (quant/base.py)
         for name, module in model.named_modules():
-            if callable(getattr(module, "use_native_kernel", None)):
+            if isinstance(module, QuantizedLinear):
                 module.use_native_kernel()
                 if module.native:
                     report.quantized.append(name)

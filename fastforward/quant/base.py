@@ -27,6 +27,11 @@ class QuantizedLinear(nn.Module):
     # faster there: the packed kernels' cost grows with the rows, the dequantization's does
     # not. Each format sets its crossover (benchmarks/bench_quant_kernels.py).
     packed_rows_max: ClassVar[int] = 16
+    native = False  # whether the packed tensors are in fastforward's own kernel layout
+
+    def use_native_kernel(self) -> None:
+        """Move onto fastforward's own kernel (``torch.ops.fastforward``) where the format has
+        one (the same values, repacked); formats without one stay as they are."""
 
     def __init__(
         self,

@@ -52,26 +52,33 @@ class CodebookLinear(QuantizedLinear):
         self.native = True
 
     def _plain(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indices (plain layout) and ``[N, K/g]`` scales."""
+        """Indices (plain layout) and ``[N, K/g]`` scales, for checkpoints."""
         if not self.native:
             return self.indices, self.scales
         (scales,) = q4pack.unpack_scales(self.scales)
         return int4pack.pack_plain(q4pack.unpack(self.indices)), scales
 
     def _lookup(self, index: torch.Tensor | None = None) -> torch.Tensor:
-        """The weight (or rows ``index`` of it) in bf16."""
-        indices, scales = self._plain()
-        idx = indices if index is None else indices[index]
-        scales = scales if index is None else scales[index]
-        r, g = idx.shape[0], self.group_size
-        if self.nibbles:
-            # one lookup per byte: a 256-entry table of (low, high) centroid pairs
-            byte = torch.arange(256, device=idx.device)
-            table = torch.stack((self.centroids[byte % 16], self.centroids[byte // 16]), dim=1)
+        """The weight (or rows ``index`` of it) in bf16; a lookup reads only its rows."""
+        r, g = self.out_features if index is None else index.shape[0], self.group_size
+        if self.native:
+            if index is None:
+                codes, (scales,) = q4pack.unpack(self.indices), q4pack.unpack_scales(self.scales)
+            else:
+                codes = q4pack.rows(self.indices, index)
+                (scales,) = q4pack.scale_rows(self.scales, index)
+            levels = self.centroids[codes.long()]
         else:
-            table = self.centroids[:, None]
-        levels = F.embedding(idx.to(torch.int32), table).view(r, -1, g)
-        return (levels * scales[..., None]).view(r, self.in_features)
+            idx = self.indices if index is None else self.indices[index]
+            scales = self.scales if index is None else self.scales[index]
+            if self.nibbles:
+                # one lookup per byte: a 256-entry table of (low, high) centroid pairs
+                byte = torch.arange(256, device=idx.device)
+                table = torch.stack((self.centroids[byte % 16], self.centroids[byte // 16]), dim=1)
+            else:
+                table = self.centroids[:, None]
+            levels = F.embedding(idx.to(torch.int32), table)
+        return (levels.view(r, -1, g) * scales[..., None]).view(r, self.in_features)
 
     @property
     def kernel_rows_max(self) -> int:

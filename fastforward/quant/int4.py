@@ -70,17 +70,18 @@ class Int4Linear(QuantizedLinear):
             return q4pack.unpack(self.packed)
         return int4pack.from_kernel_layout(self.packed, self.in_features)
 
-    def _scales_zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scales and zeros, ``[N, K/g]`` each (bf16)."""
+    def _scales_zeros(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales and zeros of all rows (or rows ``index``), ``[R, K/g]`` each (bf16); a lookup
+        reads only its rows."""
         if self.native:
-            s, z = q4pack.unpack_scales(self.scales_and_zeros)
+            sz = self.scales_and_zeros
+            s, z = q4pack.unpack_scales(sz) if index is None else q4pack.scale_rows(sz, index)
             return s, z
-        return self.scales_and_zeros[..., 0].t(), self.scales_and_zeros[..., 1].t()
+        sz = self.scales_and_zeros if index is None else self.scales_and_zeros[:, index]
+        return sz[..., 0].t(), sz[..., 1].t()
 
     def _affine(self, codes: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
-        s, z = self._scales_zeros()
-        if index is not None:
-            s, z = s[index], z[index]
+        s, z = self._scales_zeros(index)
         r, g = codes.shape[0], self.group_size
         w = (codes.float().view(r, -1, g) - 8) * s.float()[..., None] + z.float()[..., None]
         return w.view(r, self.in_features)

@@ -49,6 +49,12 @@ def pack_scales(*per_group: torch.Tensor) -> torch.Tensor:
     return s.view(n // TILE, TILE, g, c).permute(0, 2, 3, 1).contiguous()
 
 
+def scale_rows(packed: torch.Tensor, index: torch.Tensor) -> list[torch.Tensor]:
+    """Scales (and zeros) of some rows, C tensors ``[len(index), G]`` (embedding lookups)."""
+    s = packed[index // TILE, :, :, index % TILE]  # [R, G, C]
+    return [s[..., i] for i in range(s.shape[-1])]
+
+
 def unpack_scales(packed: torch.Tensor) -> list[torch.Tensor]:
     """``[N/16, G, C, 16]`` -> C tensors ``[N, G]``."""
     tiles, g, c, _ = packed.shape
