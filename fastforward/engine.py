@@ -90,6 +90,9 @@ class EngineArgs:
     # auto: fastforward's C++ CPU kernels (paged attention; bf16 linears) where they build,
     # native: insist on them, torch: the plain PyTorch paths (the reference).
     kernels: str = "auto"
+    # With the native kernels, decode-sized steps run all layers in one C++ call
+    # (fastforward/kernels/decoder.py); False keeps the per-module path (to measure it).
+    fused_layers: bool = True
     # Speculative decoding (fastforward.spec_decode.config.SpeculativeConfig, a dict of its
     # fields or their JSON): {"method": "ngram" | "draft_model" | "layer_skip",
     # "num_speculative_tokens": k, "model": draft, ...}; None: off.
@@ -149,7 +152,7 @@ class LLMEngine:
                 f"|weights={args.quantization}",
             ),
         )
-        self.runner = ModelRunner(self.model, self.kv_config, self.device)
+        self.runner = ModelRunner(self.model, self.kv_config, self.device, args.fused_layers)
         self.grammars = GrammarCompiler(
             self.tokenizer.backend,
             self.model_config.vocab_size,
@@ -216,7 +219,7 @@ class LLMEngine:
             + self.args.max_num_seqs * per_seq
         )
         kv_config = make_kv_cache_config(specs, num_blocks=num_blocks)
-        runner = ModelRunner(loaded.model, kv_config, self.device)
+        runner = ModelRunner(loaded.model, kv_config, self.device, self.args.fused_layers)
         kv = KVCacheManager(kv_config, enable_caching=False)
         return DraftModelProposer(runner, kv, self.sampler, self.args.max_num_batched_tokens)
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
+from fastforward.kernels.decoder import build_fused_decoder
 from fastforward.kv.quant import allocate_kv_cache
 from fastforward.kv.spec import KVCacheConfig
 from fastforward.layers.logprobs import TokenLogprob, score_positions
@@ -55,7 +56,13 @@ class ModelRunner:
     one layer of every group: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` of the
     groups' KV dtype (plus ``[2, num_blocks, block_size, num_kv_heads]`` scales if int8)."""
 
-    def __init__(self, model: nn.Module, kv_config: KVCacheConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_config: KVCacheConfig,
+        device: torch.device,
+        fused_layers: bool = True,
+    ) -> None:
         self.model = model
         self.kv_config = kv_config
         self.device = device
@@ -66,6 +73,11 @@ class ModelRunner:
         self.kv_caches = [cache for cache, _ in slots]
         self.kv_scales = [scales for _, scales in slots]
         self._bind_kv_caches()
+        # Decode-sized steps through all layers in one C++ call (kernels/decoder.py), where
+        # the model is on the native kernels; ``fused_reason`` says why not otherwise.
+        self.fused_reason = "fused_layers=False"
+        if fused_layers and hasattr(model, "fused_decoder"):
+            model.fused_decoder, self.fused_reason = build_fused_decoder(model)
 
     def _bind_kv_caches(self) -> None:
         layers = self.model.attention_layers()

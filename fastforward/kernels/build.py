@@ -20,7 +20,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("linear.cpp", "linear_q4.cpp", "attention.cpp", "elementwise.cpp", "ops.cpp")
+SOURCES = (
+    "linear.cpp",
+    "linear_q4.cpp",
+    "attention.cpp",
+    "elementwise.cpp",
+    "decoder.cpp",
+    "ops.cpp",
+)
 HEADERS = ("vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG")
 CSRC = Path(__file__).parent / "csrc"

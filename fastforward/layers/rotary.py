@@ -47,7 +47,7 @@ class RotaryEmbedding(nn.Module):
         self._cos_sin: torch.Tensor | None = None  # [max_positions, rotary_dim] fp32, built lazily
         self.use_kernel = False  # rotate in place with fastforward's C++ kernel
 
-    def _table(self, device: torch.device, needed: int) -> torch.Tensor:
+    def table(self, device: torch.device, needed: int) -> torch.Tensor:
         if self._cos_sin is None or self._cos_sin.device != device or len(self._cos_sin) < needed:
             n = max(needed, self.max_positions)
             inv_freq = inverse_frequencies(self.head_dim, self.rope)
@@ -59,7 +59,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at ``positions``, each ``[T, 1, rotary_dim]`` in ``dtype``."""
-        table = self._table(positions.device, int(positions.max()) + 1 if positions.numel() else 1)
+        table = self.table(positions.device, int(positions.max()) + 1 if positions.numel() else 1)
         cos, sin = table[positions].chunk(2, dim=-1)  # [T, rot/2] each
         cos = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(dtype)
         sin = torch.cat([sin, sin], dim=-1).unsqueeze(1).to(dtype)
@@ -82,7 +82,7 @@ class RotaryEmbedding(nn.Module):
         """The C++ kernel's RoPE: q and k (views of a fused qkv allowed) rotated in place.
         ``num_positions`` bounds ``positions`` (the step's longest sequence); the kernel
         checks every position against the table."""
-        table = self._table(positions.device, num_positions)
+        table = self.table(positions.device, num_positions)
         torch.ops.fastforward.rope_(q, positions, table)
         torch.ops.fastforward.rope_(k, positions, table)
         return q, k

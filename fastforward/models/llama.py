@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fastforward.attention.metadata import AttentionMetadata
+from fastforward.kernels.decoder import FusedDecoder
 from fastforward.layers.activation import GatedActivation
 from fastforward.layers.attention import Attention
 from fastforward.layers.linear import MergedLinear
@@ -113,6 +114,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
         )
+        # the layers as one C++ call per step (fastforward/kernels/decoder.py), set by the
+        # runner once the native kernels and the KV cache are in place
+        self.fused_decoder: FusedDecoder | None = None
 
     def make_norm(self, dim: int) -> nn.Module:
         return RMSNorm(dim, self.config.rms_norm_eps)
@@ -130,6 +134,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions ``[T]`` -> final hidden states ``[T, hidden]``. ``layer_ids``
         runs only those layers, in order (a self-speculative draft skipping the others)."""
         x = self.embed(input_ids)
+        fused = self.fused_decoder
+        if fused is not None and fused.usable(meta, x.shape[0]):
+            return self.norm(fused(x, positions, meta, layer_ids))
         layers = self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]
         for layer in layers:
             x = layer(x, positions, meta)

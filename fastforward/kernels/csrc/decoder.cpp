@@ -1,0 +1,212 @@
+// The decoder stack of a Llama-family model run in one call per step: for each layer RMSNorm,
+// fused qkv, RoPE in place, the KV write, paged attention, o, residual, RMSNorm, fused
+// gate/up, gated activation, down, residual -- the same kernels in the same order as the
+// Python modules (fastforward/models/llama.py), without the ~25 Python-dispatched ops per layer
+// between them. Built once from the loaded model (fastforward/kernels/decoder.py); the Python
+// path stays the reference and the fallback for what this does not cover (prefills longer than
+// the attention kernel takes, q/k norms, calibrated key scales, other weight formats).
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+namespace ff {
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
+                     const at::Tensor& table, int64_t group_size);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale, int64_t window,
+                           double softcap, const std::optional<at::Tensor>& kv_scales);
+void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping, const std::optional<at::Tensor>& kv_scales);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
+at::Tensor gated_act(const at::Tensor& x, bool gelu);
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table);
+
+namespace {
+
+// How a linear layer multiplies (the Python module it mirrors in parentheses).
+enum LinearKind : int64_t {
+  kBf16 = 0,  // packed bf16 tiles, dense copy for large batches (kernels/linear.py PackedLinear)
+  kQ4 = 1,    // 4-bit codes through a 16-entry table (quant/int4.py, quant/codebook.py)
+  kInt8 = 2,  // int8 codes, one scale per output row (quant/int8.py Int8Linear)
+  kDense = 3,  // a plain weight in the activations' dtype (nn.Linear: float32 engines)
+};
+
+struct Linear {
+  int64_t kind = kBf16;
+  at::Tensor w;      // packed weight / codes
+  at::Tensor aux;    // dense bf16 copy (kBf16, may be undefined), scales (kQ4, kInt8)
+  at::Tensor table;  // kQ4: the 16 levels
+  int64_t n = 0;     // output features
+  int64_t group = 0;
+  int64_t rows_max = 0;  // batches up to this many rows run the packed kernel
+  std::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    const int64_t rows = x.size(0);
+    if (kind == kDense) return at::linear(x, w, bias);
+    if (kind == kBf16) {
+      if (!aux.defined() || rows <= rows_max) return linear_bf16(x, w, n, bias);
+      auto y = at::linear(x.to(at::kBFloat16), aux);
+      if (bias) y = y + *bias;
+      return y.to(x.scalar_type());
+    }
+    TORCH_CHECK(rows <= rows_max, "fused decoder: ", rows, " rows exceed the packed kernel's ",
+                rows_max);
+    const auto xb = x.to(at::kBFloat16).contiguous();
+    auto y = kind == kQ4 ? linear_q4(xb, w, aux, table, group)
+                         : at::_weight_int8pack_mm(xb, w, aux);
+    y = y.to(x.scalar_type());
+    if (bias) y = y + *bias;
+    return y;
+  }
+};
+
+struct Layer {
+  at::Tensor ln1, ln2;
+  at::Tensor q_norm, k_norm;  // Qwen3's RMSNorm over each head of q and k (may be undefined)
+  double eps1 = 0, eps2 = 0, qk_eps = 0;
+  Linear qkv, o, gate_up, down;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  at::Tensor rope_table;  // [positions, rotary_dim] fp32
+  double scale = 0, softcap = 0;
+  int64_t window = 0;  // 0: full attention
+  at::Tensor kv_cache;
+  std::optional<at::Tensor> kv_scales;
+  int64_t group = 0;  // KV cache group: which block tables and slot mapping
+  bool gelu = false;
+};
+
+}  // namespace
+
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  // One linear layer; returns its index for add_layer.
+  int64_t add_linear(int64_t kind, at::Tensor w, std::optional<at::Tensor> aux,
+                     std::optional<at::Tensor> table, int64_t n, int64_t group,
+                     int64_t rows_max, std::optional<at::Tensor> bias) {
+    TORCH_CHECK(kind >= kBf16 && kind <= kDense, "unknown linear kind ", kind);
+    TORCH_CHECK(kind == kBf16 || kind == kDense || aux.has_value(), "quantized linear needs its scales");
+    TORCH_CHECK(kind != kQ4 || table.has_value(), "4-bit linear needs its table");
+    Linear l;
+    l.kind = kind;
+    l.w = std::move(w);
+    if (aux) l.aux = *aux;
+    if (table) l.table = *table;
+    l.n = n;
+    l.group = group;
+    l.rows_max = rows_max;
+    l.bias = std::move(bias);
+    linears_.push_back(std::move(l));
+    return int64_t(linears_.size()) - 1;
+  }
+
+  // linears: qkv, o, gate_up, down (indices from add_linear); dims: heads, kv_heads,
+  // head_dim, window, group, gelu; scalars: eps of the two norms, scale, softcap, eps of the
+  // q/k norms.
+  void add_layer(at::Tensor ln1, at::Tensor ln2, std::vector<int64_t> linears,
+                 std::vector<int64_t> dims, std::vector<double> scalars, at::Tensor rope_table,
+                 at::Tensor kv_cache, std::optional<at::Tensor> kv_scales,
+                 std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm) {
+    TORCH_CHECK(linears.size() == 4 && dims.size() == 6 && scalars.size() == 5,
+                "add_layer: 4 linears, 6 dims and 5 scalars expected");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
+    for (auto i : linears)
+      TORCH_CHECK(i >= 0 && i < int64_t(linears_.size()), "no linear ", i);
+    Layer L;
+    L.ln1 = std::move(ln1);
+    L.ln2 = std::move(ln2);
+    L.qkv = linears_[linears[0]];
+    L.o = linears_[linears[1]];
+    L.gate_up = linears_[linears[2]];
+    L.down = linears_[linears[3]];
+    L.heads = dims[0];
+    L.kv_heads = dims[1];
+    L.head_dim = dims[2];
+    L.window = dims[3];
+    L.group = dims[4];
+    L.gelu = dims[5] != 0;
+    L.eps1 = scalars[0];
+    L.eps2 = scalars[1];
+    L.scale = scalars[2];
+    L.softcap = scalars[3];
+    L.qk_eps = scalars[4];
+    if (q_norm) {
+      L.q_norm = *q_norm;
+      L.k_norm = *k_norm;
+    }
+    L.rope_table = std::move(rope_table);
+    L.kv_cache = std::move(kv_cache);
+    L.kv_scales = std::move(kv_scales);
+    layers_.push_back(std::move(L));
+  }
+
+  int64_t num_layers() const { return int64_t(layers_.size()); }
+
+  // The longest context the RoPE tables cover (a longer step takes the Python path, which
+  // grows them).
+  int64_t max_positions() const {
+    int64_t m = INT64_MAX;
+    for (const auto& L : layers_) m = std::min(m, L.rope_table.size(0));
+    return layers_.empty() ? 0 : m;
+  }
+
+  // x: the embedded tokens [T, hidden]; layer_ids: the layers to run, in order (empty: all).
+  // Returns the hidden states after the last layer (before the final norm).
+  at::Tensor forward(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> block_tables,
+                     std::vector<at::Tensor> slot_mappings, at::Tensor query_start_loc,
+                     at::Tensor seq_lens, std::vector<int64_t> layer_ids) const {
+    const int64_t n = layer_ids.empty() ? num_layers() : int64_t(layer_ids.size());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t li = layer_ids.empty() ? i : layer_ids[i];
+      TORCH_CHECK(li >= 0 && li < num_layers(), "no layer ", li);
+      const Layer& L = layers_[li];
+      TORCH_CHECK(L.group < int64_t(block_tables.size()) && L.group < int64_t(slot_mappings.size()),
+                  "no metadata for KV group ", L.group);
+      x = x + attention(L, rms_norm(x, L.ln1, L.eps1, false), positions, block_tables[L.group],
+                        slot_mappings[L.group], query_start_loc, seq_lens);
+      const auto h = rms_norm(x, L.ln2, L.eps2, false);
+      x = x + L.down(gated_act(L.gate_up(h), L.gelu));
+    }
+    return x;
+  }
+
+ private:
+  static at::Tensor attention(const Layer& L, const at::Tensor& h, const at::Tensor& positions,
+                              const at::Tensor& block_table, const at::Tensor& slot_mapping,
+                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
+    const int64_t t = h.size(0), qd = L.heads * L.head_dim, kd = L.kv_heads * L.head_dim;
+    auto qkv = L.qkv(h);
+    auto q = qkv.narrow(1, 0, qd).view({t, L.heads, L.head_dim});
+    auto k = qkv.narrow(1, qd, kd).view({t, L.kv_heads, L.head_dim});
+    auto v = qkv.narrow(1, qd + kd, kd).view({t, L.kv_heads, L.head_dim});
+    if (L.q_norm.defined()) {
+      q = rms_norm(q, L.q_norm, L.qk_eps, false);
+      k = rms_norm(k, L.k_norm, L.qk_eps, false);
+    }
+    rope_(q, positions, L.rope_table);
+    rope_(k, positions, L.rope_table);
+    at::Tensor cache = L.kv_cache;
+    write_kv(cache, k, v, slot_mapping, L.kv_scales);
+    auto out = paged_attention(q.contiguous(), L.kv_cache, block_table, query_start_loc,
+                               seq_lens, L.scale, L.window, L.softcap, L.kv_scales);
+    return L.o(out.flatten(1).to(h.scalar_type()));
+  }
+
+  std::vector<Linear> linears_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace ff
+
+TORCH_LIBRARY_FRAGMENT(fastforward, m) {
+  m.class_<ff::DecoderStack>("DecoderStack")
+      .def(torch::init<>())
+      .def("add_linear", &ff::DecoderStack::add_linear)
+      .def("add_layer", &ff::DecoderStack::add_layer)
+      .def("num_layers", &ff::DecoderStack::num_layers)
+      .def("max_positions", &ff::DecoderStack::max_positions)
+      .def("forward", &ff::DecoderStack::forward);
+}

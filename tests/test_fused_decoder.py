@@ -1,0 +1,129 @@
+"""The decoder stack in one C++ call (fastforward/kernels/decoder.py) against the module path
+it replaces: the same kernels in the same order, so tokens and log-probs are equal exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastforward import LLM, SamplingParams, kernels
+from fastforward.kernels.decoder import FusedDecoder
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for kernels")
+
+needs_q4 = pytest.mark.skipif(
+    not (kernels.available() and kernels.ops().linear_q4_native()), reason="no AVX512-BF16"
+)
+
+# prompts of 5 (prefilled through the stack too) to 40 tokens (prefilled by the modules)
+PROMPTS = [list(range(5, 10)), list(range(7, 47)), list(range(30, 43)), list(range(3, 20))]
+
+
+def _run(directory, fused: bool, **kw):
+    llm = LLM(str(directory), fused_layers=fused, download_progress=False, **kw)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    got = []
+    for o in outs:
+        c = o.outputs[0]
+        got.append(
+            (c.token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs])
+        )
+    return llm, got
+
+
+@pytest.fixture
+def count_fused_calls(monkeypatch):
+    calls = []
+    original = FusedDecoder.__call__
+
+    def counting(self, *args, **kw):
+        calls.append(args[0].shape[0])
+        return original(self, *args, **kw)
+
+    monkeypatch.setattr(FusedDecoder, "__call__", counting)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_stack_equals_module_path(tiny_model_dir, arch, dtype, count_fused_calls):
+    # mistral: a window of 7 < the contexts; qwen3: q/k norms and head_dim 24
+    directory, _ = tiny_model_dir(arch)
+    fused_llm, fused = _run(directory, True, dtype=dtype, kernels="native")
+    assert fused_llm.engine.model.fused_decoder is not None, fused_llm.engine.runner.fused_reason
+    assert count_fused_calls, "no step went through the stack"
+    assert 4 in count_fused_calls  # a decode step of the four sequences together
+    calls = len(count_fused_calls)
+    plain_llm, plain = _run(directory, False, dtype=dtype, kernels="native")
+    assert plain_llm.engine.model.fused_decoder is None
+    assert len(count_fused_calls) == calls
+    assert fused == plain
+
+
+@needs_q4
+@pytest.mark.parametrize("method", ["int4", "codebook4", "int8"])
+def test_fused_stack_runs_quantized_layers(tiny_model_dir, method, count_fused_calls):
+    directory, _ = tiny_model_dir("llama3-rope-tied")
+    fused_llm, fused = _run(directory, True, quantization=method, kernels="native")
+    assert fused_llm.engine.model.fused_decoder is not None, fused_llm.engine.runner.fused_reason
+    assert count_fused_calls
+    _, plain = _run(directory, False, quantization=method, kernels="native")
+    assert fused == plain
+
+
+@pytest.mark.parametrize(
+    ("arch", "kw", "reason"),
+    [
+        ("gemma3", {"kernels": "native"}, "not the Llama layer"),
+        ("llama", {"kernels": "torch"}, "native kernels"),
+        ("llama", {"kernels": "native", "fused_layers": False}, "fused_layers=False"),
+    ],
+)
+def test_models_the_stack_does_not_cover_keep_the_module_path(tiny_model_dir, arch, kw, reason):
+    directory, _ = tiny_model_dir(arch)
+    llm = LLM(str(directory), download_progress=False, **kw)
+    assert llm.engine.model.fused_decoder is None
+    assert reason in llm.engine.runner.fused_reason
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_one_off_score_does_not_write_the_serving_cache(tiny_model_dir, count_fused_calls):
+    """engine.score swaps in a KV cache of its own; the stack, bound to the serving cache,
+    must step aside rather than write the scored tokens into the serving blocks."""
+    directory, _ = tiny_model_dir("llama")
+    fused_llm = LLM(str(directory), kernels="native", download_progress=False)
+    plain_llm = LLM(str(directory), kernels="native", fused_layers=False, download_progress=False)
+    ids = list(range(40, 52))  # short enough for the stack
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = []
+    for llm in (fused_llm, plain_llm):
+        first = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+        score = llm.engine.score(ids)
+        again = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert first == again
+        outs.append((first, score))
+    assert outs[0][0] == outs[1][0]
+    assert torch.equal(outs[0][1], outs[1][1])
+
+
+def test_quantized_kv_cache_keeps_the_module_path(tiny_model_dir, count_fused_calls):
+    """An int8 KV cache calibrates per-channel key scales that only the modules apply."""
+    directory, _ = tiny_model_dir("llama")
+    fused_llm, fused = _run(directory, True, kernels="native", kv_cache_dtype="int8")
+    _, plain = _run(directory, False, kernels="native", kv_cache_dtype="int8")
+    assert fused == plain
+    attns = fused_llm.engine.model.attention_layers()
+    if any(a.key_mult is not None for a in attns):
+        assert not count_fused_calls
+
+
+def test_layer_skip_drafts_run_through_the_stack(tiny_model_dir, count_fused_calls):
+    directory, _ = tiny_model_dir("llama")
+    spec = {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": [0, 2]}
+    kw = dict(kernels="native", speculative_config=spec)
+    _, fused = _run(directory, True, **kw)
+    assert count_fused_calls
+    _, plain = _run(directory, False, **kw)
+    assert fused == plain
