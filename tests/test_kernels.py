@@ -166,9 +166,10 @@ CASES = [
         (torch.float32, torch.bfloat16),
     ],
 )
-def test_paged_attention_matches_reference(case, q_dtype, kv_dtype):
+@pytest.mark.parametrize("block_size", [16, 5, 32])  # keys go 16 at a time within a block
+def test_paged_attention_matches_reference(case, q_dtype, kv_dtype, block_size):
     query_lens, context_lens, h, kvh, d, window, softcap = case
-    cache, meta = _random_batch(query_lens, context_lens, kvh, d, 16, kv_dtype, seed=h * d)
+    cache, meta = _random_batch(query_lens, context_lens, kvh, d, block_size, kv_dtype, seed=h * d)
     q = torch.randn(sum(query_lens), h, d).to(q_dtype)
     scale = d**-0.5
     group = meta.groups[0]

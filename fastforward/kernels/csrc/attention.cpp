@@ -5,8 +5,9 @@
 // Work is split into items of (sequence, KV head, chunk of query tokens, part of the key
 // range). An item's rows are its query tokens x the query heads that share the KV head (GQA),
 // so every key and value loaded is used by all of them. Per block of keys the item converts
-// K to fp32 once, scores every row against it, updates each row's online softmax (running max
-// m, sum l, accumulator acc) with a vectorised exp, then accumulates V. When there are too few
+// K to fp32 once (16 keys at a time, the next 16 prefetched), scores every row against all of
+// them with one transposing reduction, updates each row's online softmax (running max m, sum
+// l, accumulator acc) on the vector of scores, then accumulates V. When there are too few
 // items to keep every thread busy (decode of a few long sequences), the key range is split
 // into parts whose partial (m, l, acc) are merged at the end (flash-decoding).
 #include <ATen/ATen.h>
@@ -22,7 +23,7 @@ namespace ff {
 namespace {
 
 constexpr int ROWS_MAX = 16;  // query rows per item: tokens x heads of a GQA group
-constexpr int BS_MAX = 64;    // block sizes up to this go through the stack buffers
+constexpr int BS_MAX = 1024;  // block sizes up to this (keys go VL at a time)
 constexpr int D_MAX = 512;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
@@ -36,19 +37,6 @@ struct Geometry {
 struct Item {
   int64_t seq, kvh, t0, nt, k_lo, k_hi;  // tokens [t0, t0 + nt); keys [k_lo, k_hi)
 };
-
-inline float dot(const float* a, const float* b, int64_t D) {
-  vf s0{}, s1{};
-  int64_t i = 0;
-  for (; i + 2 * VL <= D; i += 2 * VL) {
-    s0 += load(a + i) * load(b + i);
-    s1 += load(a + i + VL) * load(b + i + VL);
-  }
-  for (; i + VL <= D; i += VL) s0 += load(a + i) * load(b + i);
-  float s = hsum(s0 + s1);
-  for (; i < D; ++i) s += a[i] * b[i];
-  return s;
-}
 
 inline void axpy(float* y, float a, const float* x, int64_t D) {  // y += a * x
   const vf av = splat(a);
@@ -88,30 +76,73 @@ inline void row_scales(float* dst, const at::Half* scales, int64_t stride, int64
   }
 }
 
+// sums[j] = the sum of the lanes of p[j], for the VL vectors p[0..VL): a transposing reduction
+// (AVX-512: 45 shuffles and adds for 16 sums, where 16 separate horizontal sums take ~4x that).
+inline vf hsum_each(const vf* p) {
+#if defined(__AVX512F__)
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: (x0+x2, y0+y2, x1+x3, y1+y3)
+    const __m512 x = reinterpret_cast<const __m512&>(p[2 * i]);
+    const __m512 y = reinterpret_cast<const __m512&>(p[2 * i + 1]);
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of 4 consecutive vectors
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // lane i of b[v] holds partial sums of vectors 4v..4v+3; add the 4 lanes, vector v to lane v
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                   _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                   _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88),
+                                 _mm512_shuffle_f32x4(w01, w23, 0xDD));
+  return reinterpret_cast<const vf&>(r);
+#else
+  vf out;
+  for (int j = 0; j < VL; ++j) out[j] = hsum(p[j]);
+  return out;
+#endif
+}
+
+inline vi iota() {
+  vi v;
+  for (int i = 0; i < VL; ++i) v[i] = i;
+  return v;
+}
+
 // One item: writes each row's partial (m, l, acc[D]) to part = [rows][D + 2].
+//
+// Keys go VL at a time (a sub-block of a cache block): each row scores them into VL partial
+// vectors reduced to one vector of VL scores at once, masks, exponentiates and sums them as a
+// vector, then adds the VL values into its accumulator in 4 independent FMA chains. K and V
+// are converted to fp32 once per sub-block for all rows, zero-padded to whole vectors.
 template <typename QT, typename CT>
 void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache,
                  const at::Half* scales, const int64_t* table, const int64_t* qpos0,
                  float* part) {
   const int64_t D = g.D, rows = it.nt * g.G;
+  const int64_t Dp = (D + VL - 1) / VL * VL;
   alignas(64) float qf[ROWS_MAX][D_MAX];
-  alignas(64) float kf[BS_MAX][D_MAX];
-  alignas(64) float s[ROWS_MAX][BS_MAX];
-  float rs[BS_MAX];  // the block's key (then value) scales times the softmax scale
+  alignas(64) float kf[VL][D_MAX];
+  alignas(64) float acc[ROWS_MAX][D_MAX];
+  alignas(64) float p[ROWS_MAX][VL];  // the sub-block's softmax weights per row
+  alignas(64) float ks_buf[VL], vs_buf[VL];
   int64_t lo[ROWS_MAX], hi[ROWS_MAX];
-  float* acc[ROWS_MAX];
   float m[ROWS_MAX], l[ROWS_MAX];
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = it.t0 + r / g.G, head = it.kvh * g.G + r % g.G;
+    std::fill(qf[r], qf[r] + Dp, 0.f);
     to_float(qf[r], q + (t * g.H + head) * D, D);
     const int64_t pos = qpos0[it.seq] + t;  // qpos0 = seq_len - query_len - query_start
     hi[r] = std::min(pos + 1, it.k_hi);
     lo[r] = std::max(g.window > 0 ? pos - g.window + 1 : 0, it.k_lo);
-    acc[r] = part + r * (D + 2) + 2;
-    std::fill(acc[r], acc[r] + D, 0.f);
+    std::fill(acc[r], acc[r] + Dp, 0.f);
     m[r] = NEG_INF;
     l[r] = 0.f;
   }
+  for (int j = 0; j < VL; ++j) std::fill(kf[j], kf[j] + Dp, 0.f);  // pads stay zero
   int64_t k_lo = it.k_hi, k_hi = it.k_lo;  // keys some row needs
   for (int64_t r = 0; r < rows; ++r) {
     if (lo[r] < hi[r]) {
@@ -122,63 +153,114 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
   const int64_t kv_stride = g.KVH * D;  // between consecutive keys in a block
   const int64_t half = g.NB * g.BS * kv_stride;  // K half -> V half of the cache
   const int64_t* tab = table + it.seq * g.W;
-  for (int64_t b0 = k_lo - k_lo % g.BS; b0 < k_hi; b0 += g.BS) {
-    const int64_t j0 = std::max(b0, k_lo), j1 = std::min(b0 + g.BS, k_hi), n = j1 - j0;
-    const int64_t row0 = tab[b0 / g.BS] * g.BS + (j0 - b0);  // first key's row in the pool
+  const vf ninf = splat(NEG_INF);
+  for (int64_t s0 = k_lo; s0 < k_hi;) {
+    // a sub-block: up to VL keys inside one cache block
+    const int64_t b0 = s0 - s0 % g.BS;
+    const int64_t s1 = std::min({s0 + VL, b0 + g.BS, k_hi});
+    const int n = int(s1 - s0);
+    const int64_t row0 = tab[b0 / g.BS] * g.BS + (s0 - b0);  // first key's row in the pool
     const CT* kb = cache + row0 * kv_stride + it.kvh * D;
     // int8 cache: scales [2, NB, BS, KVH], one per key row and KV head
     const at::Half* ks = scales ? scales + row0 * g.KVH + it.kvh : nullptr;
-    for (int64_t j = 0; j < n; ++j) to_float(kf[j], kb + j * kv_stride, D);
-    row_scales(rs, ks, g.KVH, n);
-    for (int64_t j = 0; j < n; ++j) rs[j] *= g.scale;
-    for (int64_t r = 0; r < rows; ++r) {
-      float mb = NEG_INF;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t key = j0 + j;
-        float x = NEG_INF;
-        if (key >= lo[r] && key < hi[r]) {
-          x = dot(qf[r], kf[j], D) * rs[j];
-          if (g.softcap > 0.f) x = g.softcap * std::tanh(x / g.softcap);
-          mb = std::max(mb, x);
+    if (s1 < k_hi) {  // the next sub-block's keys and values: fetched while this one computes
+      const int64_t nb0 = s1 - s1 % g.BS;
+      const int64_t nn = std::min({s1 + VL, nb0 + g.BS, k_hi}) - s1;
+      const CT* nk = cache + (tab[nb0 / g.BS] * g.BS + (s1 - nb0)) * kv_stride + it.kvh * D;
+      const int64_t bytes = D * int64_t(sizeof(CT));
+      for (int64_t j = 0; j < nn; ++j) {
+        const char* kr = reinterpret_cast<const char*>(nk + j * kv_stride);
+        for (int64_t o = 0; o < bytes; o += 64) {
+          __builtin_prefetch(kr + o);
+          __builtin_prefetch(kr + half * int64_t(sizeof(CT)) + o);
         }
-        s[r][j] = x;
       }
-      if (mb == NEG_INF) continue;
-      const float m_new = std::max(m[r], mb);
-      const float alpha = std::exp(m[r] - m_new);  // 0 on the first block
-      const vf mv = splat(m_new);
-      float sum = 0.f;
-      int64_t j = 0;
-      for (; j + VL <= n; j += VL) {
-        vf p = vexp(load(s[r] + j) - mv);
-        store(s[r] + j, p);
-        sum += hsum(p);
-      }
-      for (; j < n; ++j) {
-        s[r][j] = s[r][j] == NEG_INF ? 0.f : std::exp(s[r][j] - m_new);
-        sum += s[r][j];
-      }
-      if (alpha != 1.f) scale_vec(acc[r], alpha, D);
-      l[r] = l[r] * alpha + sum;
-      m[r] = m_new;
     }
-    // V: reuse kf as the fp32 copy of the values. Rows that skipped this block have s = -inf
-    // from the score pass only if they were never updated; zero them out here.
-    const CT* vb = kb + half;
-    const at::Half* vs = scales ? ks + g.NB * g.BS * g.KVH : nullptr;
-    for (int64_t j = 0; j < n; ++j) to_float(kf[j], vb + j * kv_stride, D);
-    row_scales(rs, vs, g.KVH, n);
+    for (int j = 0; j < n; ++j) to_float(kf[j], kb + j * kv_stride, D);
+    for (int j = n; j < VL; ++j) std::fill(kf[j], kf[j] + D, 0.f);
+    row_scales(ks_buf, ks, g.KVH, n);
+    for (int j = n; j < VL; ++j) ks_buf[j] = 0.f;
+    const vf kscale = load(ks_buf) * g.scale;
+    const vi key = iota();
+    bool any = false;
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t key_lo = std::max(lo[r], j0), key_hi = std::min(hi[r], j1);
-      for (int64_t key = key_lo; key < key_hi; ++key) {
-        const float p = s[r][key - j0];
-        if (p != 0.f) axpy(acc[r], p * rs[key - j0], kf[key - j0], D);
+      const int64_t rlo = std::max(lo[r], s0), rhi = std::min(hi[r], s1);
+      if (rlo >= rhi) {
+        std::fill(p[r], p[r] + VL, 0.f);
+        continue;
+      }
+      vf dots[VL];
+#pragma GCC unroll 16
+      for (int j = 0; j < VL; ++j) {
+        vf a0{}, a1{};
+        int64_t d = 0;
+        for (; d + 2 * VL <= Dp; d += 2 * VL) {
+          a0 += load(qf[r] + d) * load(kf[j] + d);
+          a1 += load(qf[r] + d + VL) * load(kf[j] + d + VL);
+        }
+        if (d < Dp) a0 += load(qf[r] + d) * load(kf[j] + d);
+        dots[j] = a0 + a1;
+      }
+      vf sc = hsum_each(dots) * kscale;
+      if (g.softcap > 0.f) {
+        for (int j = 0; j < VL; ++j) sc[j] = g.softcap * std::tanh(sc[j] / g.softcap);
+      }
+      // keys s0 + j of this row's range [rlo, rhi)
+      const vi kj = key + int(s0);
+      const vi valid = (kj >= int(rlo)) & (kj < int(rhi));
+      sc = valid ? sc : ninf;
+      const float mb = hmax(sc);
+      const float m_new = std::max(m[r], mb);
+      const float alpha = std::exp(m[r] - m_new);  // 0 on the first keys
+      const vf pv = vexp(sc - splat(m_new));       // masked lanes: exactly 0
+      store(p[r], pv);
+      if (alpha != 1.f) scale_vec(acc[r], alpha, Dp);
+      l[r] = l[r] * alpha + hsum(pv);
+      m[r] = m_new;
+      any = true;
+    }
+    if (any) {
+      const CT* vb = kb + half;
+      const at::Half* vs = scales ? ks + g.NB * g.BS * g.KVH : nullptr;
+      for (int j = 0; j < n; ++j) to_float(kf[j], vb + j * kv_stride, D);
+      row_scales(vs_buf, vs, g.KVH, n);
+      for (int64_t r = 0; r < rows; ++r) {
+        float w[VL];
+        for (int j = 0; j < VL; ++j) w[j] = j < n ? p[r][j] * vs_buf[j] : 0.f;
+        int64_t d = 0;
+        for (; d + 4 * VL <= Dp; d += 4 * VL) {
+          vf a0 = load(acc[r] + d), a1 = load(acc[r] + d + VL);
+          vf a2 = load(acc[r] + d + 2 * VL), a3 = load(acc[r] + d + 3 * VL);
+          for (int j = 0; j < n; ++j) {
+            const vf wj = splat(w[j]);
+            a0 += wj * load(kf[j] + d);
+            a1 += wj * load(kf[j] + d + VL);
+            a2 += wj * load(kf[j] + d + 2 * VL);
+            a3 += wj * load(kf[j] + d + 3 * VL);
+          }
+          store(acc[r] + d, a0);
+          store(acc[r] + d + VL, a1);
+          store(acc[r] + d + 2 * VL, a2);
+          store(acc[r] + d + 3 * VL, a3);
+        }
+        for (; d < Dp; d += VL) {
+          vf a0 = load(acc[r] + d), a1{};
+          int j = 0;
+          for (; j + 2 <= n; j += 2) {
+            a0 += splat(w[j]) * load(kf[j] + d);
+            a1 += splat(w[j + 1]) * load(kf[j + 1] + d);
+          }
+          if (j < n) a0 += splat(w[j]) * load(kf[j] + d);
+          store(acc[r] + d, a0 + a1);
+        }
       }
     }
+    s0 = s1;
   }
   for (int64_t r = 0; r < rows; ++r) {
     part[r * (D + 2)] = m[r];
     part[r * (D + 2) + 1] = l[r];
+    std::copy(acc[r], acc[r] + D, part + r * (D + 2) + 2);
   }
 }
 
@@ -203,7 +285,10 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
   const int64_t threads = at::get_num_threads(), base = chunks * g.KVH;
   int64_t parts = 1;
   if (base > 0 && base < 4 * threads) {
-    parts = std::min((4 * threads + base - 1) / base, std::max<int64_t>(1, max_len / 512));
+    const int64_t cap = std::max<int64_t>(1, max_len / 512);
+    parts = std::min((4 * threads + base - 1) / base, cap);
+    // whole rounds of items per thread where the cap allows (3 KV heads on 2 threads: 4 parts)
+    while (parts < cap && (base * parts) % threads != 0) ++parts;
   }
   std::vector<Item> items;
   items.reserve(base * parts);
