@@ -86,10 +86,12 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
     if dtype not in (torch.float32, torch.bfloat16):
         report.reason = f"no native kernels for {dtype}"
         return report
+    long_queries = dtype == torch.bfloat16 and kernels.ops().paged_attention_bf16_native()
     for module in model.modules():
         if isinstance(module, Attention | RMSNorm | GatedActivation | RotaryEmbedding):
             module.use_kernel = True
         if isinstance(module, Attention):
+            module.kernel_long_queries = long_queries
             report.attention_layers += 1
     if dtype != torch.bfloat16:
         return report
@@ -104,6 +106,7 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
             getattr(module, "out_sizes", None),
             keep_dense=native_bf16,
             packed_rows_max=rows_max,
+            fp32_out=name == "lm_head",
         )
         model.set_submodule(name, new)
         report.linears.append(name)
@@ -112,7 +115,7 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
         # Tied: the output projection reads the embedding matrix; the packed copy serves
         # decode, the embedding keeps the dense one for lookups and large batches.
         model.lm_head = PackedLinear(
-            embed.weight, None, None, keep_dense=False, packed_rows_max=rows_max
+            embed.weight, None, None, keep_dense=False, packed_rows_max=rows_max, fp32_out=True
         )
         if native_bf16:
             model.lm_head.dense = embed.weight

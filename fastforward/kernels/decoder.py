@@ -4,7 +4,7 @@ A decode step of SmolLM2-135M spends ~25% of its time in Python between the kern
 per layer, 30 layers. ``build_fused_decoder`` hands the loaded model's layers (their packed
 weights, norms, RoPE tables and KV cache slots) to a ``torch.classes.fastforward.DecoderStack``
 once; steps the attention kernel takes (every query run at most ``KERNEL_MAX_QUERY_LEN``
-tokens) then run all layers in one call, through the same kernels in the same order as the
+tokens, or any step where its bf16 path serves every layer) then run all layers in one call, through the same kernels in the same order as the
 modules, so the result is the same to the bit. Everything else (long prefills, q/k norms,
 calibrated key scales, weight formats without a native kernel) keeps the module path.
 """
@@ -40,10 +40,11 @@ class FusedDecoder:
     bound: list[tuple[torch.Tensor, torch.Tensor | None, int]]
     rows_max: int  # largest batch every linear's packed kernel takes
     max_positions: int  # context the RoPE tables cover
+    long_queries: bool  # every layer's attention kernel takes prefills too (bf16 path)
 
     def usable(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         if (
-            meta.max_query_len > KERNEL_MAX_QUERY_LEN
+            (meta.max_query_len > KERNEL_MAX_QUERY_LEN and not self.long_queries)
             or num_tokens > self.rows_max
             or meta.max_seq_len > self.max_positions
         ):
@@ -145,7 +146,11 @@ def build_fused_decoder(model: nn.Module) -> tuple[FusedDecoder | None, str]:
         )
     attentions = [layer.self_attn.attn for layer in layers]
     bound = [(a.kv_cache, a.kv_scales, a.group) for a in attentions]
-    return FusedDecoder(stack, attentions, bound, rows_max, stack.max_positions()), ""
+    # the activations are bf16 where the norms' weights are (the model's dtype)
+    bf16 = layers[0].input_layernorm.weight.dtype == torch.bfloat16
+    long_queries = bf16 and all(a.takes_long_queries(torch.bfloat16) for a in attentions)
+    fused = FusedDecoder(stack, attentions, bound, rows_max, stack.max_positions(), long_queries)
+    return fused, ""
 
 
 def _layer_unsupported(layer: nn.Module) -> str:

@@ -28,8 +28,12 @@ class PackedLinear(nn.Module):
         *,
         keep_dense: bool,
         packed_rows_max: int,
+        fp32_out: bool = False,
     ) -> None:
         super().__init__()
+        # The output projection: the packed kernel returns its fp32 accumulators, so logits
+        # are not rounded to bf16 (whose steps of 1/8 at |logit| 16-32 turn near-ties exact)
+        self.fp32_out = fp32_out
         w = weight.detach().to(torch.bfloat16).contiguous()
         self.out_features, self.in_features = w.shape
         self.out_sizes = None if out_sizes is None else list(out_sizes)
@@ -55,6 +59,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if self.dense is None or rows <= self.packed_rows_max:
+            x = x.float() if self.fp32_out else x
             return torch.ops.fastforward.linear_bf16(x, self.packed, self.out_features, self.bias)
         y = F.linear(x.to(torch.bfloat16), self.dense)
         if self.bias is not None:

@@ -10,9 +10,10 @@ from fastforward.attention.metadata import AttentionMetadata
 from fastforward.attention.reference import paged_attention, write_kv
 
 # Steps whose longest query run is at most this many tokens (decode, small chunks) use the
-# native kernel; longer prefills go to the reference path, whose SDPA is a tiled matmul and
-# beats the kernel's per-key scoring there (512-token prefill of SmolLM2: ~900 tok/s with the
-# kernel, benchmarks/bench_cpu.py).
+# native kernel. Longer prefills do too where bf16 queries meet a bf16 cache on a CPU with
+# AVX512-BF16 (the kernel's vdpbf16ps path: a 512-token prefill of SmolLM2 ran at ~2,300 tok/s
+# against ~1,900 with SDPA); otherwise they go to the reference path, whose SDPA beats the
+# kernel's fp32 scoring there.
 KERNEL_MAX_QUERY_LEN = 16
 
 
@@ -52,6 +53,8 @@ class Attention(nn.Module):
         self.group = 0
         # fastforward's C++ paged attention (fastforward.kernels) instead of the reference
         self.use_kernel = False
+        # the kernel's bf16 path (AVX512-BF16) also takes long query runs (prefill)
+        self.kernel_long_queries = False
 
     def set_key_channel_scale(self, m: torch.Tensor | None) -> None:
         """Use per-channel key scale ``m [KVH, D]`` (equal within each RoPE pair), or none."""
@@ -63,6 +66,16 @@ class Attention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         self.key_mult = (1.0 / m).float()
         self.query_mult = m.float().repeat_interleave(groups, dim=0)
+
+    def takes_long_queries(self, q_dtype: torch.dtype) -> bool:
+        """Whether the kernel serves query runs of any length for queries of ``q_dtype``."""
+        cache = self.kv_cache
+        return (
+            self.kernel_long_queries
+            and q_dtype == torch.bfloat16
+            and cache is not None
+            and cache.dtype == torch.bfloat16
+        )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -81,7 +94,9 @@ class Attention(nn.Module):
             torch.ops.fastforward.write_kv(self.kv_cache, k, v, group.slot_mapping, self.kv_scales)
         else:
             write_kv(self.kv_cache, k, v, group.slot_mapping, self.kv_scales)
-        if self.use_kernel and meta.max_query_len <= KERNEL_MAX_QUERY_LEN:
+        if self.use_kernel and (
+            meta.max_query_len <= KERNEL_MAX_QUERY_LEN or self.takes_long_queries(q.dtype)
+        ):
             out = torch.ops.fastforward.paged_attention(
                 q.contiguous(),
                 self.kv_cache,

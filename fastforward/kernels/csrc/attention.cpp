@@ -264,6 +264,159 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kHaveDp = true;
+
+// attend_item for bf16 queries over a bf16 cache with vdpbf16ps (two bf16 products per fp32
+// lane): a row's score against a key is D/32 dot-product instructions on the stored bf16
+// values, nothing converted; values are interleaved in key pairs once per sub-block
+// (vpunpck{l,h}wd) so each row adds 2 keys x 16 dims per instruction, its softmax weights
+// rounded to bf16 (the sum l uses the same rounded weights). Same items, masking and online
+// softmax as attend_item; the accumulator is kept in the interleave's lane order and put back
+// in dimension order at the end.
+void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const uint16_t* cache,
+                    const int64_t* table, const int64_t* qpos0, float* part) {
+  const int64_t D = g.D, rows = it.nt * g.G;
+  const int C = int((D + 31) / 32);  // 32-dimension chunks of a row
+  const __mmask32 full = 0xffffffffu;
+  const __mmask32 tail = D % 32 ? __mmask32((1u << (D % 32)) - 1) : full;
+  __m512i qv[ROWS_MAX][D_MAX / 32];
+  __m512i vt[VL / 2][D_MAX / 32][2];  // key pair x chunk x (dims 0-3 / 4-7 of each 8)
+  alignas(64) float acc[ROWS_MAX][D_MAX];
+  alignas(64) float p[ROWS_MAX][VL];
+  int64_t lo[ROWS_MAX], hi[ROWS_MAX];
+  float m[ROWS_MAX], l[ROWS_MAX];
+  bool seen[ROWS_MAX];
+  auto load_row = [&](const uint16_t* src, int c) {
+    return _mm512_maskz_loadu_epi16(c == C - 1 ? tail : full, src + 32 * c);
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = it.t0 + r / g.G, head = it.kvh * g.G + r % g.G;
+    for (int c = 0; c < C; ++c) qv[r][c] = load_row(q + (t * g.H + head) * D, c);
+    const int64_t pos = qpos0[it.seq] + t;
+    hi[r] = std::min(pos + 1, it.k_hi);
+    lo[r] = std::max(g.window > 0 ? pos - g.window + 1 : 0, it.k_lo);
+    std::fill(acc[r], acc[r] + 32 * C, 0.f);
+    m[r] = NEG_INF;
+    l[r] = 0.f;
+  }
+  int64_t k_lo = it.k_hi, k_hi = it.k_lo;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (lo[r] < hi[r]) {
+      k_lo = std::min(k_lo, lo[r]);
+      k_hi = std::max(k_hi, hi[r]);
+    }
+  }
+  const int64_t kv_stride = g.KVH * D;
+  const int64_t half = g.NB * g.BS * kv_stride;
+  const int64_t* tab = table + it.seq * g.W;
+  const vf ninf = splat(NEG_INF);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t s0 = k_lo; s0 < k_hi;) {
+    const int64_t b0 = s0 - s0 % g.BS;
+    const int64_t s1 = std::min({s0 + VL, b0 + g.BS, k_hi});
+    const int n = int(s1 - s0);
+    const int64_t row0 = tab[b0 / g.BS] * g.BS + (s0 - b0);
+    const uint16_t* kb = cache + row0 * kv_stride + it.kvh * D;
+    if (s1 < k_hi) {  // the next sub-block's keys and values
+      const int64_t nb0 = s1 - s1 % g.BS;
+      const int64_t nn = std::min({s1 + VL, nb0 + g.BS, k_hi}) - s1;
+      const uint16_t* nk = cache + (tab[nb0 / g.BS] * g.BS + (s1 - nb0)) * kv_stride + it.kvh * D;
+      for (int64_t j = 0; j < nn; ++j) {
+        const char* kr = reinterpret_cast<const char*>(nk + j * kv_stride);
+        for (int64_t o = 0; o < D * 2; o += 64) {
+          __builtin_prefetch(kr + o);
+          __builtin_prefetch(kr + half * 2 + o);
+        }
+      }
+    }
+    bool any = false;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t rlo = std::max(lo[r], s0), rhi = std::min(hi[r], s1);
+      seen[r] = rlo < rhi;
+      if (!seen[r]) continue;
+      vf dots[VL];
+      for (int j = 0; j < VL; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        if (j < n) {
+          const uint16_t* kr = kb + j * kv_stride;
+          for (int c = 0; c < C; ++c)
+            a = _mm512_dpbf16_ps(a, (__m512bh)qv[r][c], (__m512bh)load_row(kr, c));
+        }
+        dots[j] = reinterpret_cast<vf&>(a);
+      }
+      vf sc = hsum_each(dots) * g.scale;
+      if (g.softcap > 0.f) {
+        for (int j = 0; j < VL; ++j) sc[j] = g.softcap * std::tanh(sc[j] / g.softcap);
+      }
+      const vi kj = iota() + int(s0);
+      sc = ((kj >= int(rlo)) & (kj < int(rhi))) ? sc : ninf;
+      const float m_new = std::max(m[r], hmax(sc));
+      const float alpha = std::exp(m[r] - m_new);
+      vf pv = vexp(sc - splat(m_new));
+      // round to bf16 now: the values are weighted by these, and l must sum the same numbers
+      const __m256i pb = (__m256i)_mm512_cvtneps_pbh(reinterpret_cast<__m512&>(pv));
+      const __m512i pw = _mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16);
+      pv = reinterpret_cast<const vf&>(pw);
+      store(p[r], pv);
+      if (alpha != 1.f) scale_vec(acc[r], alpha, 32 * C);
+      l[r] = l[r] * alpha + hsum(pv);
+      m[r] = m_new;
+      any = true;
+    }
+    if (!any) {
+      s0 = s1;
+      continue;
+    }
+    const uint16_t* vb = kb + half;
+    for (int jp = 0; jp < (n + 1) / 2; ++jp) {
+      const int j = 2 * jp;
+      for (int c = 0; c < C; ++c) {
+        const __m512i a = load_row(vb + j * kv_stride, c);
+        const __m512i b = j + 1 < n ? load_row(vb + (j + 1) * kv_stride, c) : zero;
+        vt[jp][c][0] = _mm512_unpacklo_epi16(a, b);
+        vt[jp][c][1] = _mm512_unpackhi_epi16(a, b);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!seen[r]) continue;
+      alignas(64) uint32_t pp[VL / 2];  // (p[j], p[j + 1]) as one bf16 pair
+      const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p[r]));  // exact now
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pp), pb);
+      for (int c = 0; c < C; ++c) {
+        __m512 a0 = _mm512_load_ps(acc[r] + 32 * c), a1 = _mm512_load_ps(acc[r] + 32 * c + 16);
+        for (int jp = 0; jp < (n + 1) / 2; ++jp) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pp[jp]));
+          a0 = _mm512_dpbf16_ps(a0, w, (__m512bh)vt[jp][c][0]);
+          a1 = _mm512_dpbf16_ps(a1, w, (__m512bh)vt[jp][c][1]);
+        }
+        _mm512_store_ps(acc[r] + 32 * c, a0);
+        _mm512_store_ps(acc[r] + 32 * c + 16, a1);
+      }
+    }
+    s0 = s1;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = part + r * (D + 2);
+    out[0] = m[r];
+    out[1] = l[r];
+    // lane i of half h of chunk c holds dimension 32c + 8 (i / 4) + 4h + i % 4
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 16; ++i) {
+          const int64_t d = 32 * c + 8 * (i / 4) + 4 * h + i % 4;
+          if (d < D) out[2 + d] = acc[r][32 * c + 16 * h + i];
+        }
+  }
+}
+#else
+constexpr bool kHaveDp = false;
+void attend_item_dp(const Item&, const Geometry&, const uint16_t*, const uint16_t*,
+                    const int64_t*, const int64_t*, float*) {
+  TORCH_CHECK(false, "attend_item_dp needs AVX512-BF16");
+}
+#endif
+
 template <typename QT, typename CT>
 void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
          const at::Tensor& qstart, const at::Tensor& seq_lens, const at::Half* scales, Geometry g,
@@ -308,10 +461,20 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
   const auto* qp = reinterpret_cast<const QT*>(q.data_ptr());
   const auto* cp = reinterpret_cast<const CT*>(cache.data_ptr());
   const int64_t* tp = table.data_ptr<int64_t>();
+  constexpr bool bf16_pair = std::is_same_v<QT, uint16_t> && std::is_same_v<CT, uint16_t>;
+  const bool dp = bf16_pair && kHaveDp && g.D % 2 == 0;
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i)
-      attend_item<QT, CT>(items[i], g, qp, cp, scales, tp, qpos0.data(),
-                          partial.data() + i * stride);
+    for (int64_t i = i0; i < i1; ++i) {
+      float* pi = partial.data() + i * stride;
+      if constexpr (bf16_pair) {
+        if (dp) {
+          attend_item_dp(items[i], g, reinterpret_cast<const uint16_t*>(qp),
+                         reinterpret_cast<const uint16_t*>(cp), tp, qpos0.data(), pi);
+          continue;
+        }
+      }
+      attend_item<QT, CT>(items[i], g, qp, cp, scales, tp, qpos0.data(), pi);
+    }
   });
   // Merge the parts of each (chunk, KV head) and write rows to out [T, H, D].
   auto* op = reinterpret_cast<QT*>(out.data_ptr());
@@ -358,6 +521,10 @@ void dispatch_kv(at::ScalarType xt, at::ScalarType ct, const char* op, F&& f) {
 }
 
 }  // namespace
+
+// Whether bf16 queries over a bf16 cache take the vdpbf16ps path (fast for long query runs
+// too: prefill), i.e. the CPU has AVX512-BF16.
+bool paged_attention_bf16_native() { return kHaveDp; }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,

@@ -17,6 +17,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 at::Tensor gated_act(const at::Tensor& x, bool gelu);
 void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table);
 bool linear_q4_native();
+bool paged_attention_bf16_native();
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                      const at::Tensor& table, int64_t group_size);
 }  // namespace ff
@@ -26,6 +27,7 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("unpack_linear_weight(Tensor wpacked, int N) -> Tensor", &ff::unpack_linear_weight);
   m.def("linear_bf16(Tensor x, Tensor wpacked, int N, Tensor? bias) -> Tensor", &ff::linear_bf16);
   m.def("linear_q4_native() -> bool", &ff::linear_q4_native);
+  m.def("paged_attention_bf16_native() -> bool", &ff::paged_attention_bf16_native);
   m.def("linear_q4(Tensor x, Tensor wq, Tensor sz, Tensor table, int group_size) -> Tensor",
         &ff::linear_q4);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor", &ff::rms_norm);
