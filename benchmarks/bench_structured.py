@@ -64,15 +64,22 @@ def usable_schemas(llm: LLM, corpus):
 
 
 def run(
-    llm: LLM, timer: MaskTimer, schemas, n: int, max_tokens: int, batch: int, penalty: float = 1.0
+    llm: LLM,
+    timer: MaskTimer,
+    schemas,
+    n: int,
+    max_tokens: int,
+    batch: int,
+    penalties: dict | None = None,
 ) -> dict:
+    """``penalties``: SamplingParams fields against loops (repetition_penalty, dry_*)."""
     jobs = []
     for i in range(n):
         item = schemas[i % len(schemas)]
         sampled = (i // len(schemas)) % 2 == 1 or (n <= len(schemas) and i % 2 == 1)
         params = SamplingParams(
             max_tokens=max_tokens,
-            repetition_penalty=penalty,
+            **(penalties or {}),
             temperature=0.8 if sampled else 0.0,
             seed=i if sampled else None,
             structured_outputs=StructuredOutputsParams(json=item.schema),
@@ -127,6 +134,20 @@ def main() -> None:
         default=1.0,
         help="for the 1,000-generation run (small models loop on array items and digits)",
     )
+    ap.add_argument(
+        "--dry-multiplier",
+        type=float,
+        default=0.0,
+        help="DRY for the 1,000-generation run (llama.cpp's sampler; 0.8 is its usual setting)",
+    )
+    ap.add_argument(
+        "--dry-sequence-breakers",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='DRY\'s breakers as a JSON list (default llama.cpp\'s ["\\n", ":", "\\"", "*"]; '
+        "[] lets DRY see repeats of JSON structure, e.g. a recursive schema nested on and on)",
+    )
     ap.add_argument("--overhead-n", type=int, default=64, help="generations per overhead run")
     ap.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "bench_structured.json")
@@ -137,9 +158,13 @@ def main() -> None:
     schemas, refused = usable_schemas(llm, load_corpus())
     print(f"{len(schemas)} schemas usable, {len(refused)} refused by the grammar engine")
     timer = MaskTimer(llm)
-    main_run = run(
-        llm, timer, schemas, args.n, args.max_tokens, batch=32, penalty=args.repetition_penalty
-    )
+    penalties = {
+        "repetition_penalty": args.repetition_penalty,
+        "dry_multiplier": args.dry_multiplier,
+    }
+    if args.dry_sequence_breakers is not None:
+        penalties["dry_sequence_breakers"] = args.dry_sequence_breakers
+    main_run = run(llm, timer, schemas, args.n, args.max_tokens, batch=32, penalties=penalties)
     print(json.dumps({k: v for k, v in main_run.items() if k not in ("failures", "cut")}, indent=1))
     overhead = {}
     for batch in (1, 32):
@@ -153,6 +178,8 @@ def main() -> None:
         "model": args.model,
         "max_tokens": args.max_tokens,
         "repetition_penalty": args.repetition_penalty,
+        "dry_multiplier": args.dry_multiplier,
+        "dry_sequence_breakers": args.dry_sequence_breakers,
         "schemas_usable": len(schemas),
         "schemas_refused": refused,
         "run": main_run,

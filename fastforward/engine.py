@@ -7,6 +7,7 @@ detokenize and check stop strings -> outputs. Everything outside talks to it thr
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from dataclasses import dataclass, replace
@@ -122,6 +123,13 @@ def kv_specs(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> list[KVSp
     return specs
 
 
+def token_texts(tokenizer: Any) -> list[str]:
+    """The text of every vocabulary id (DRY's sequence breakers are found in them)."""
+    backend = tokenizer.backend
+    ids = [[i] for i in range(backend.get_vocab_size())]
+    return backend.decode_batch(ids, skip_special_tokens=False)
+
+
 class LLMEngine:
     """Loads a model and serves requests step by step."""
 
@@ -158,7 +166,10 @@ class LLMEngine:
             self.model_config.vocab_size,
             self.tokenizer.eos_token_id,
         )
-        self.sampler = Sampler(seed=args.seed, grammars=self.grammars)
+        # a function of the tokenizer alone: a bound method would make a reference cycle
+        # through the engine, and engines (with their KV caches) would wait for the gc
+        texts = functools.partial(token_texts, self.tokenizer)
+        self.sampler = Sampler(seed=args.seed, grammars=self.grammars, token_texts=texts)
         self.verifier = DraftVerifier(self.sampler, self.grammars)
         self.proposer = self._make_proposer(self.spec_config)
         self._spec_tokens = self.spec_config.num_speculative_tokens if self.spec_config else 0

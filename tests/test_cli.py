@@ -54,7 +54,8 @@ def test_generate(tiny_model_dir):
     assert len(out.stdout.strip()) > 0
 
 
-def test_generate_matches_library(tiny_model_dir):
+@pytest.mark.parametrize("extra", [[], ["--no-fused-layers"]])  # the same tokens either way
+def test_generate_matches_library(tiny_model_dir, extra):
     from fastforward import LLM, SamplingParams
 
     directory, _ = tiny_model_dir("llama")
@@ -69,6 +70,7 @@ def test_generate_matches_library(tiny_model_dir):
         "6",
         "--ignore-eos",
         "--no-stream",
+        *extra,
     )
     expected = (
         LLM(str(directory), dtype="float32")

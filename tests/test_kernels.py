@@ -368,3 +368,20 @@ def test_write_kv_rejects_bad_slots():
         kernels.ops().write_kv(
             cache.to(torch.int8), torch.randn(1, 1, 8), torch.randn(1, 1, 8), torch.tensor([1])
         )
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3-rope-tied"])
+def test_packed_output_projection_returns_fp32_logits(tiny_model_dir, arch):
+    """Decode-sized batches get the head's fp32 accumulators, not logits rounded to bf16."""
+    from fastforward import LLM
+
+    directory, _ = tiny_model_dir(arch)
+    llm = LLM(str(directory), dtype="bfloat16", kernels="native", download_progress=False)
+    model = llm.engine.model
+    hidden = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    weight = model.lm_head.weight.double()  # the tied head packs the embedding matrix
+    ref = hidden.double() @ weight.t()
+    err = (logits.double() - ref).abs().max() / ref.abs().max()
+    assert err < 1e-5  # a bf16 rounding of the logits would leave ~2e-3

@@ -614,6 +614,18 @@ def test_vllm_extra_options(client):
         .text
     )
     assert plain.startswith(" 1, 2") and penalized != plain
+    dry = (
+        client.completions.create(
+            model=MODEL,
+            prompt=rep,
+            max_tokens=6,
+            temperature=0,
+            extra_body={**EXTRA, "dry_multiplier": 0.8, "dry_sequence_breakers": []},
+        )
+        .choices[0]
+        .text
+    )
+    assert dry != plain  # llama.cpp's DRY: the repeated "1, 2, 3," is not extended
 
     # ignore_eos: the short answer ends its turn; with ignore_eos it runs to max_tokens.
     short = client.chat.completions.create(
@@ -881,6 +893,8 @@ CHAT = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
             "response_format",
         ),
         ("/v1/completions", {**CMPL, "stop": [""]}, "stop"),
+        ("/v1/completions", {**CMPL, "dry_base": 0.5}, "dry_base"),
+        ("/v1/completions", {**CMPL, "dry_sequence_breakers": [""]}, "dry_sequence_breakers"),
     ],
 )
 def test_invalid_params_are_400_naming_the_field(http, path, body, param):

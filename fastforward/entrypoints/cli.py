@@ -94,6 +94,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         "docs/speculative.md (default: off)",
     )
     g.add_argument(
+        "--no-fused-layers",
+        dest="fused_layers",
+        action="store_false",
+        help="with the native kernels, run each layer's modules from Python instead of all "
+        "layers in one C++ call per step (to measure what the fused stack gains)",
+    )
+    g.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
@@ -124,6 +131,17 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
         "--frequency-penalty", type=float, default=0.0, help="in [-2, 2], OpenAI semantics"
     )
     g.add_argument(
+        "--dry-multiplier",
+        type=float,
+        default=0.0,
+        help="DRY: > 0 penalizes tokens that extend a repeated sequence (llama.cpp's sampler; "
+        "0.8 is its usual setting)",
+    )
+    g.add_argument("--dry-base", type=float, default=1.75, help="DRY's growth per repeated token")
+    g.add_argument(
+        "--dry-allowed-length", type=int, default=2, help="DRY: repeats this long go free"
+    )
+    g.add_argument(
         "--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling"
     )
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -144,6 +162,7 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
         quantization=ns.quantization,
         kv_cache_dtype=ns.kv_cache_dtype,
         enable_prefix_caching=ns.enable_prefix_caching,
+        fused_layers=ns.fused_layers,
         kernels=ns.kernels,
         speculative_config=ns.speculative_config,
     )
@@ -161,6 +180,9 @@ def _sampling_params(ns: argparse.Namespace):
         repetition_penalty=ns.repetition_penalty,
         presence_penalty=ns.presence_penalty,
         frequency_penalty=ns.frequency_penalty,
+        dry_multiplier=ns.dry_multiplier,
+        dry_base=ns.dry_base,
+        dry_allowed_length=ns.dry_allowed_length,
         seed=ns.sampling_seed,
         stop=ns.stop,
         ignore_eos=ns.ignore_eos,

@@ -28,7 +28,7 @@ SOURCES = (
     "decoder.cpp",
     "ops.cpp",
 )
-HEADERS = ("vec.h",)
+HEADERS = ("vec.h", "ops.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG")
 CSRC = Path(__file__).parent / "csrc"
 

@@ -184,16 +184,14 @@ def _add_linear(stack: Any, lin: nn.Module) -> tuple[int, int] | None:
     bias = lin.bias
     if type(lin) in (nn.Linear, MergedLinear):  # float32 engines: F.linear, as the module
         return stack.add_linear(LINEAR_DENSE, lin.weight, None, None, 0, 0, 0, bias), NO_LIMIT
-    if isinstance(lin, Int4Linear) and lin.native:
+    if isinstance(lin, Int4Linear | CodebookLinear) and lin.native:
+        if isinstance(lin, Int4Linear):  # codes, scales (and zeros), the 16 levels
+            codes, scales, table = lin.packed, lin.scales_and_zeros, lin.levels
+        else:
+            codes, scales, table = lin.indices, lin.scales, lin.centroids
         index = stack.add_linear(
-            LINEAR_Q4, lin.packed, lin.scales_and_zeros, lin.levels, lin.out_features,
-            lin.group_size, lin.native_rows_max, bias,
-        )  # fmt: skip
-        return index, lin.native_rows_max
-    if isinstance(lin, CodebookLinear) and lin.native:
-        index = stack.add_linear(
-            LINEAR_Q4, lin.indices, lin.scales, lin.centroids, lin.out_features,
-            lin.group_size, lin.native_rows_max, bias,
+            LINEAR_Q4, codes, scales, table, lin.out_features, lin.group_size,
+            lin.native_rows_max, bias,
         )  # fmt: skip
         return index, lin.native_rows_max
     if type(lin) is Int8Linear:

@@ -10,7 +10,7 @@ Order of operations (vLLM v1):
 1. ``raw_logprobs = log_softmax(logits)`` when any row asks for logprobs (model logits, after
    the grammar mask).
 2. Repetition penalty (prompt + output tokens), then frequency and presence penalties (output
-   tokens only).
+   tokens only), then DRY (tokens that would extend a repeated sequence, ``dry.py``).
 3. ``min_tokens``: EOS and ``stop_token_ids`` get ``-inf`` while fewer tokens were generated.
 4. Greedy rows (temperature ~ 0) take the argmax here and consume no randomness.
 5. Other rows: divide by temperature, mask with min-p, then top-k, then top-p (top-p sees the
@@ -24,10 +24,12 @@ preemption gives the same token.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from fastforward.layers.dry import DryPenalty
 from fastforward.request import Request
 from fastforward.structured_outputs import GrammarCompiler, apply_grammar_masks
 
@@ -63,9 +65,16 @@ class Sampler:
     """Picks one token per row of a ``[B, V]`` logits tensor; row ``i`` belongs to
     ``requests[i]``. ``seed`` seeds the generator shared by unseeded rows."""
 
-    def __init__(self, seed: int | None = None, grammars: GrammarCompiler | None = None) -> None:
+    def __init__(
+        self,
+        seed: int | None = None,
+        grammars: GrammarCompiler | None = None,
+        token_texts: Callable[[], Sequence[str]] | None = None,
+    ) -> None:
         self._base_seed = seed
         self._grammars = grammars
+        # DRY's sequence breakers are found in the vocabulary's texts (layers/dry.py)
+        self.dry = DryPenalty(token_texts)
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
@@ -86,6 +95,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
 
         apply_penalties(logits, requests)
+        self.dry(logits, requests)
         apply_min_tokens(logits, requests)
 
         tokens = self._sample(logits, requests)  # [B] int64

@@ -68,6 +68,15 @@ def sampling_params(
             repetition_penalty=req.repetition_penalty or 1.0,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
+            dry_multiplier=req.dry_multiplier,
+            dry_base=req.dry_base,
+            dry_allowed_length=req.dry_allowed_length,
+            dry_penalty_last_n=req.dry_penalty_last_n,
+            **(
+                {}
+                if req.dry_sequence_breakers is None
+                else {"dry_sequence_breakers": req.dry_sequence_breakers}
+            ),
             seed=req.seed,
             stop=stop,
             stop_token_ids=req.stop_token_ids or [],

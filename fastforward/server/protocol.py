@@ -35,6 +35,12 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # llama.cpp's DRY sampler (its server's names)
+    dry_multiplier: float = Field(0.0, ge=0.0)
+    dry_base: float = Field(1.75, ge=1.0)
+    dry_allowed_length: int = Field(2, ge=1)
+    dry_penalty_last_n: int = Field(-1, ge=-1)
+    dry_sequence_breakers: list[str] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

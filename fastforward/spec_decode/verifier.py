@@ -90,6 +90,7 @@ class DraftVerifier:
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         apply_penalties(logits, rows)
+        self.sampler.dry(logits, rows)
         apply_min_tokens(logits, rows)
         argmax = logits.argmax(dim=-1).tolist()
         random_rows = [i for i, row in enumerate(rows) if not row.sampling_params.is_greedy]

@@ -9,21 +9,9 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-namespace ff {
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
-                       const std::optional<at::Tensor>& bias);
-at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
-                     const at::Tensor& table, int64_t group_size);
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
-                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, double scale, int64_t window,
-                           double softcap, const std::optional<at::Tensor>& kv_scales);
-void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
-              const at::Tensor& slot_mapping, const std::optional<at::Tensor>& kv_scales);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
-at::Tensor gated_act(const at::Tensor& x, bool gelu);
-void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table);
+#include "ops.h"
 
+namespace ff {
 namespace {
 
 // How a linear layer multiplies (the Python module it mirrors in parentheses).

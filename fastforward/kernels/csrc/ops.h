@@ -1,0 +1,26 @@
+// The fast CPU kernels' entry points (registered as torch.ops.fastforward.* in ops.cpp and
+// called directly by the fused decoder stack in decoder.cpp).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace ff {
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor unpack_linear_weight(const at::Tensor& wpacked, int64_t N);
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale, int64_t window,
+                           double softcap, const std::optional<at::Tensor>& kv_scales);
+void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping, const std::optional<at::Tensor>& kv_scales);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
+at::Tensor gated_act(const at::Tensor& x, bool gelu);
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table);
+bool linear_q4_native();
+bool paged_attention_bf16_native();
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
+                     const at::Tensor& table, int64_t group_size);
+}  // namespace ff
