@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -80,13 +81,26 @@ def _train_tokenizer(directory: Path) -> int:
     return tok.get_vocab_size()
 
 
+COLLECT_ABOVE_BYTES = 3 << 30
+
+
+def _rss_bytes() -> int:
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return COLLECT_ABOVE_BYTES  # unknown: collect
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 @pytest.fixture(autouse=True)
 def _collect_engines():
     """Engines are freed by the cycle collector (a frame of model construction stays in a
-    reference cycle), which large tensors with few Python objects seldom trigger: without a
-    collection after each test the suite's dead engines and their KV caches outgrow 24 GiB."""
+    reference cycle), which large tensors with few Python objects seldom trigger: without
+    collections the suite's dead engines and their KV caches outgrew 24 GiB. A full collection
+    after every test costs minutes, so it runs once the process holds more than 3 GiB."""
     yield
-    gc.collect()
+    if _rss_bytes() > COLLECT_ABOVE_BYTES:
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
