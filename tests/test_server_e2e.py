@@ -602,29 +602,19 @@ def test_vllm_extra_options(client):
 
     rep = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,"
     plain = greedy(client, rep, max_tokens=6).choices[0].text
-    penalized = (
-        client.completions.create(
-            model=MODEL,
-            prompt=rep,
-            max_tokens=6,
-            temperature=0,
-            extra_body={**EXTRA, "repetition_penalty": 2.0},
+
+    def greedy_with(**extra) -> str:
+        return (
+            client.completions.create(
+                model=MODEL, prompt=rep, max_tokens=6, temperature=0, extra_body={**EXTRA, **extra}
+            )
+            .choices[0]
+            .text
         )
-        .choices[0]
-        .text
-    )
+
+    penalized = greedy_with(repetition_penalty=2.0)
     assert plain.startswith(" 1, 2") and penalized != plain
-    dry = (
-        client.completions.create(
-            model=MODEL,
-            prompt=rep,
-            max_tokens=6,
-            temperature=0,
-            extra_body={**EXTRA, "dry_multiplier": 0.8, "dry_sequence_breakers": []},
-        )
-        .choices[0]
-        .text
-    )
+    dry = greedy_with(dry_multiplier=0.8, dry_sequence_breakers=[])
     assert dry != plain  # llama.cpp's DRY: the repeated "1, 2, 3," is not extended
 
     # ignore_eos: the short answer ends its turn; with ignore_eos it runs to max_tokens.
