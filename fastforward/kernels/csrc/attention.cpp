@@ -112,6 +112,71 @@ inline vi iota() {
   return v;
 }
 
+// An item's rows: the keys [lo, hi) each may see (causal, sliding window, the item's part of
+// the key range), their online-softmax state, and the keys some row needs.
+struct RowState {
+  int64_t lo[ROWS_MAX], hi[ROWS_MAX];
+  float m[ROWS_MAX], l[ROWS_MAX];
+  int64_t k_lo, k_hi;
+
+  RowState(const Item& it, const Geometry& g, const int64_t* qpos0, int64_t rows) {
+    k_lo = it.k_hi;
+    k_hi = it.k_lo;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = qpos0[it.seq] + it.t0 + r / g.G;  // qpos0 = seq_len - qlen - qstart
+      hi[r] = std::min(pos + 1, it.k_hi);
+      lo[r] = std::max(g.window > 0 ? pos - g.window + 1 : 0, it.k_lo);
+      m[r] = NEG_INF;
+      l[r] = 0.f;
+      if (lo[r] < hi[r]) {
+        k_lo = std::min(k_lo, lo[r]);
+        k_hi = std::max(k_hi, hi[r]);
+      }
+    }
+  }
+
+  // Row r's scores sc of keys s0 + lane (only those in [rlo, rhi) count) into its softmax
+  // weights: updates m and l, rescales acc[0, n) when the max grows. ``round`` is applied to
+  // the weights before l sums them (the bf16 path weights the values by rounded ones).
+  template <typename Round>
+  vf update(int64_t r, vf sc, int64_t s0, int64_t rlo, int64_t rhi, float* acc, int64_t n,
+            Round round) {
+    const vi kj = iota() + int(s0);
+    sc = ((kj >= int(rlo)) & (kj < int(rhi))) ? sc : splat(NEG_INF);
+    const float m_new = std::max(m[r], hmax(sc));
+    const float alpha = std::exp(m[r] - m_new);  // 0 on the first keys
+    const vf pv = round(vexp(sc - splat(m_new)));  // masked lanes: exactly 0
+    if (alpha != 1.f) scale_vec(acc, alpha, n);
+    l[r] = l[r] * alpha + hsum(pv);
+    m[r] = m_new;
+    return pv;
+  }
+};
+
+// The end of the sub-block from key s0: up to VL keys, inside one cache block.
+inline int64_t sub_block_end(int64_t s0, int64_t block_size, int64_t k_hi) {
+  return std::min({s0 + VL, s0 - s0 % block_size + block_size, k_hi});
+}
+
+// Prefetch the keys and values of the sub-block from key s1 (fetched while the current one
+// computes); ``kv_stride`` elements between keys, ``half`` from the K to the V half.
+template <typename CT>
+inline void prefetch_sub_block(const CT* cache, const int64_t* tab, const Geometry& g,
+                               int64_t kvh, int64_t s1, int64_t k_hi, int64_t kv_stride,
+                               int64_t half) {
+  if (s1 >= k_hi) return;
+  const int64_t b0 = s1 - s1 % g.BS, n = sub_block_end(s1, g.BS, k_hi) - s1;
+  const CT* nk = cache + (tab[b0 / g.BS] * g.BS + (s1 - b0)) * kv_stride + kvh * g.D;
+  const int64_t bytes = g.D * int64_t(sizeof(CT));
+  for (int64_t j = 0; j < n; ++j) {
+    const char* kr = reinterpret_cast<const char*>(nk + j * kv_stride);
+    for (int64_t o = 0; o < bytes; o += 64) {
+      __builtin_prefetch(kr + o);
+      __builtin_prefetch(kr + half * int64_t(sizeof(CT)) + o);
+    }
+  }
+}
+
 // One item: writes each row's partial (m, l, acc[D]) to part = [rows][D + 2].
 //
 // Keys go VL at a time (a sub-block of a cache block): each row scores them into VL partial
@@ -129,62 +194,33 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
   alignas(64) float acc[ROWS_MAX][D_MAX];
   alignas(64) float p[ROWS_MAX][VL];  // the sub-block's softmax weights per row
   alignas(64) float ks_buf[VL], vs_buf[VL];
-  int64_t lo[ROWS_MAX], hi[ROWS_MAX];
-  float m[ROWS_MAX], l[ROWS_MAX];
+  RowState st(it, g, qpos0, rows);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = it.t0 + r / g.G, head = it.kvh * g.G + r % g.G;
     std::fill(qf[r], qf[r] + Dp, 0.f);
     to_float(qf[r], q + (t * g.H + head) * D, D);
-    const int64_t pos = qpos0[it.seq] + t;  // qpos0 = seq_len - query_len - query_start
-    hi[r] = std::min(pos + 1, it.k_hi);
-    lo[r] = std::max(g.window > 0 ? pos - g.window + 1 : 0, it.k_lo);
     std::fill(acc[r], acc[r] + Dp, 0.f);
-    m[r] = NEG_INF;
-    l[r] = 0.f;
   }
   for (int j = 0; j < VL; ++j) std::fill(kf[j], kf[j] + Dp, 0.f);  // pads stay zero
-  int64_t k_lo = it.k_hi, k_hi = it.k_lo;  // keys some row needs
-  for (int64_t r = 0; r < rows; ++r) {
-    if (lo[r] < hi[r]) {
-      k_lo = std::min(k_lo, lo[r]);
-      k_hi = std::max(k_hi, hi[r]);
-    }
-  }
   const int64_t kv_stride = g.KVH * D;  // between consecutive keys in a block
   const int64_t half = g.NB * g.BS * kv_stride;  // K half -> V half of the cache
   const int64_t* tab = table + it.seq * g.W;
-  const vf ninf = splat(NEG_INF);
-  for (int64_t s0 = k_lo; s0 < k_hi;) {
-    // a sub-block: up to VL keys inside one cache block
-    const int64_t b0 = s0 - s0 % g.BS;
-    const int64_t s1 = std::min({s0 + VL, b0 + g.BS, k_hi});
+  for (int64_t s0 = st.k_lo; s0 < st.k_hi;) {
+    const int64_t b0 = s0 - s0 % g.BS, s1 = sub_block_end(s0, g.BS, st.k_hi);
     const int n = int(s1 - s0);
     const int64_t row0 = tab[b0 / g.BS] * g.BS + (s0 - b0);  // first key's row in the pool
     const CT* kb = cache + row0 * kv_stride + it.kvh * D;
     // int8 cache: scales [2, NB, BS, KVH], one per key row and KV head
     const at::Half* ks = scales ? scales + row0 * g.KVH + it.kvh : nullptr;
-    if (s1 < k_hi) {  // the next sub-block's keys and values: fetched while this one computes
-      const int64_t nb0 = s1 - s1 % g.BS;
-      const int64_t nn = std::min({s1 + VL, nb0 + g.BS, k_hi}) - s1;
-      const CT* nk = cache + (tab[nb0 / g.BS] * g.BS + (s1 - nb0)) * kv_stride + it.kvh * D;
-      const int64_t bytes = D * int64_t(sizeof(CT));
-      for (int64_t j = 0; j < nn; ++j) {
-        const char* kr = reinterpret_cast<const char*>(nk + j * kv_stride);
-        for (int64_t o = 0; o < bytes; o += 64) {
-          __builtin_prefetch(kr + o);
-          __builtin_prefetch(kr + half * int64_t(sizeof(CT)) + o);
-        }
-      }
-    }
+    prefetch_sub_block(cache, tab, g, it.kvh, s1, st.k_hi, kv_stride, half);
     for (int j = 0; j < n; ++j) to_float(kf[j], kb + j * kv_stride, D);
     for (int j = n; j < VL; ++j) std::fill(kf[j], kf[j] + D, 0.f);
     row_scales(ks_buf, ks, g.KVH, n);
     for (int j = n; j < VL; ++j) ks_buf[j] = 0.f;
     const vf kscale = load(ks_buf) * g.scale;
-    const vi key = iota();
     bool any = false;
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t rlo = std::max(lo[r], s0), rhi = std::min(hi[r], s1);
+      const int64_t rlo = std::max(st.lo[r], s0), rhi = std::min(st.hi[r], s1);
       if (rlo >= rhi) {
         std::fill(p[r], p[r] + VL, 0.f);
         continue;
@@ -205,18 +241,7 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
       if (g.softcap > 0.f) {
         for (int j = 0; j < VL; ++j) sc[j] = g.softcap * std::tanh(sc[j] / g.softcap);
       }
-      // keys s0 + j of this row's range [rlo, rhi)
-      const vi kj = key + int(s0);
-      const vi valid = (kj >= int(rlo)) & (kj < int(rhi));
-      sc = valid ? sc : ninf;
-      const float mb = hmax(sc);
-      const float m_new = std::max(m[r], mb);
-      const float alpha = std::exp(m[r] - m_new);  // 0 on the first keys
-      const vf pv = vexp(sc - splat(m_new));       // masked lanes: exactly 0
-      store(p[r], pv);
-      if (alpha != 1.f) scale_vec(acc[r], alpha, Dp);
-      l[r] = l[r] * alpha + hsum(pv);
-      m[r] = m_new;
+      store(p[r], st.update(r, sc, s0, rlo, rhi, acc[r], Dp, [](vf v) { return v; }));
       any = true;
     }
     if (any) {
@@ -258,8 +283,8 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
     s0 = s1;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    part[r * (D + 2)] = m[r];
-    part[r * (D + 2) + 1] = l[r];
+    part[r * (D + 2)] = st.m[r];
+    part[r * (D + 2) + 1] = st.l[r];
     std::copy(acc[r], acc[r] + D, part + r * (D + 2) + 2);
   }
 }
@@ -284,55 +309,35 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
   __m512i vt[VL / 2][D_MAX / 32][2];  // key pair x chunk x (dims 0-3 / 4-7 of each 8)
   alignas(64) float acc[ROWS_MAX][D_MAX];
   alignas(64) float p[ROWS_MAX][VL];
-  int64_t lo[ROWS_MAX], hi[ROWS_MAX];
-  float m[ROWS_MAX], l[ROWS_MAX];
   bool seen[ROWS_MAX];
   auto load_row = [&](const uint16_t* src, int c) {
     return _mm512_maskz_loadu_epi16(c == C - 1 ? tail : full, src + 32 * c);
   };
+  RowState st(it, g, qpos0, rows);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = it.t0 + r / g.G, head = it.kvh * g.G + r % g.G;
     for (int c = 0; c < C; ++c) qv[r][c] = load_row(q + (t * g.H + head) * D, c);
-    const int64_t pos = qpos0[it.seq] + t;
-    hi[r] = std::min(pos + 1, it.k_hi);
-    lo[r] = std::max(g.window > 0 ? pos - g.window + 1 : 0, it.k_lo);
     std::fill(acc[r], acc[r] + 32 * C, 0.f);
-    m[r] = NEG_INF;
-    l[r] = 0.f;
-  }
-  int64_t k_lo = it.k_hi, k_hi = it.k_lo;
-  for (int64_t r = 0; r < rows; ++r) {
-    if (lo[r] < hi[r]) {
-      k_lo = std::min(k_lo, lo[r]);
-      k_hi = std::max(k_hi, hi[r]);
-    }
   }
   const int64_t kv_stride = g.KVH * D;
   const int64_t half = g.NB * g.BS * kv_stride;
   const int64_t* tab = table + it.seq * g.W;
-  const vf ninf = splat(NEG_INF);
   const __m512i zero = _mm512_setzero_si512();
-  for (int64_t s0 = k_lo; s0 < k_hi;) {
-    const int64_t b0 = s0 - s0 % g.BS;
-    const int64_t s1 = std::min({s0 + VL, b0 + g.BS, k_hi});
+  // round to bf16 now: the values are weighted by these, and l must sum the same numbers
+  auto to_bf16 = [](vf v) {
+    const __m256i pb = (__m256i)_mm512_cvtneps_pbh(reinterpret_cast<__m512&>(v));
+    const __m512i pw = _mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16);
+    return reinterpret_cast<const vf&>(pw);
+  };
+  for (int64_t s0 = st.k_lo; s0 < st.k_hi;) {
+    const int64_t b0 = s0 - s0 % g.BS, s1 = sub_block_end(s0, g.BS, st.k_hi);
     const int n = int(s1 - s0);
     const int64_t row0 = tab[b0 / g.BS] * g.BS + (s0 - b0);
     const uint16_t* kb = cache + row0 * kv_stride + it.kvh * D;
-    if (s1 < k_hi) {  // the next sub-block's keys and values
-      const int64_t nb0 = s1 - s1 % g.BS;
-      const int64_t nn = std::min({s1 + VL, nb0 + g.BS, k_hi}) - s1;
-      const uint16_t* nk = cache + (tab[nb0 / g.BS] * g.BS + (s1 - nb0)) * kv_stride + it.kvh * D;
-      for (int64_t j = 0; j < nn; ++j) {
-        const char* kr = reinterpret_cast<const char*>(nk + j * kv_stride);
-        for (int64_t o = 0; o < D * 2; o += 64) {
-          __builtin_prefetch(kr + o);
-          __builtin_prefetch(kr + half * 2 + o);
-        }
-      }
-    }
+    prefetch_sub_block(cache, tab, g, it.kvh, s1, st.k_hi, kv_stride, half);
     bool any = false;
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t rlo = std::max(lo[r], s0), rhi = std::min(hi[r], s1);
+      const int64_t rlo = std::max(st.lo[r], s0), rhi = std::min(st.hi[r], s1);
       seen[r] = rlo < rhi;
       if (!seen[r]) continue;
       vf dots[VL];
@@ -349,19 +354,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
       if (g.softcap > 0.f) {
         for (int j = 0; j < VL; ++j) sc[j] = g.softcap * std::tanh(sc[j] / g.softcap);
       }
-      const vi kj = iota() + int(s0);
-      sc = ((kj >= int(rlo)) & (kj < int(rhi))) ? sc : ninf;
-      const float m_new = std::max(m[r], hmax(sc));
-      const float alpha = std::exp(m[r] - m_new);
-      vf pv = vexp(sc - splat(m_new));
-      // round to bf16 now: the values are weighted by these, and l must sum the same numbers
-      const __m256i pb = (__m256i)_mm512_cvtneps_pbh(reinterpret_cast<__m512&>(pv));
-      const __m512i pw = _mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16);
-      pv = reinterpret_cast<const vf&>(pw);
-      store(p[r], pv);
-      if (alpha != 1.f) scale_vec(acc[r], alpha, 32 * C);
-      l[r] = l[r] * alpha + hsum(pv);
-      m[r] = m_new;
+      store(p[r], st.update(r, sc, s0, rlo, rhi, acc[r], 32 * C, to_bf16));
       any = true;
     }
     if (!any) {
@@ -398,8 +391,8 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* out = part + r * (D + 2);
-    out[0] = m[r];
-    out[1] = l[r];
+    out[0] = st.m[r];
+    out[1] = st.l[r];
     // lane i of half h of chunk c holds dimension 32c + 8 (i / 4) + 4h + i % 4
     for (int c = 0; c < C; ++c)
       for (int h = 0; h < 2; ++h)
