@@ -19,7 +19,11 @@ constexpr int TILE = 16;  // output features per packed tile
 // was slower at 8 rows and no faster at 256.
 constexpr int MR_MAX = 6;
 constexpr int NV = (VL == 16) ? 4 : 2;
-constexpr int NV_ONE = 4;  // one row: 4 vectors x 2 k-phases = 8 independent FMA chains
+// One row: 4 vectors. Every output is the same sequential sum over k in every block shape, so
+// a row's result does not depend on the batch it is in (splitting even and odd k into two
+// chains for one row was no faster, and made batch-1 and batched greedy output differ at
+// near-ties; 8 vectors of one row ran ~40x slower).
+constexpr int NV_ONE = 4;
 
 template <typename T>
 inline float xval(const T* x, int64_t i) {
@@ -35,42 +39,31 @@ inline const uint16_t* wcol(const uint16_t* w, int64_t K, int64_t col) {
 template <int MR, int NV, typename XT, typename YT>
 inline void kernel(const XT* x, int64_t K, const uint16_t* w, int64_t c0, YT* y, int64_t N,
                    const float* bias) {
-  constexpr int KS = (MR == 1) ? 2 : 1;  // one row: even and odd k in separate chains
-  vf acc[KS][MR][NV];
-#pragma GCC unroll 8
-  for (int s = 0; s < KS; ++s)
+  vf acc[MR][NV];
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m)
+  for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
-      for (int j = 0; j < NV; ++j) acc[s][m][j] = vf{};
+    for (int j = 0; j < NV; ++j) acc[m][j] = vf{};
   const uint16_t* wp[NV];
 #pragma GCC unroll 8
   for (int j = 0; j < NV; ++j) wp[j] = wcol(w, K, c0 + j * VL);
-  int64_t k = 0;
-  for (; k + KS <= K; k += KS) {
-#pragma GCC unroll 2
-    for (int s = 0; s < KS; ++s) {
-      vf wv[NV];
+  for (int64_t k = 0; k < K; ++k) {
+    vf wv[NV];
 #pragma GCC unroll 8
-      for (int j = 0; j < NV; ++j) wv[j] = load_bf16(wp[j] + (k + s) * TILE);
+    for (int j = 0; j < NV; ++j) wv[j] = load_bf16(wp[j] + k * TILE);
 #pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) {
-        const vf xb = splat(xval(x, m * K + k + s));
+    for (int m = 0; m < MR; ++m) {
+      const vf xb = splat(xval(x, m * K + k));
 #pragma GCC unroll 8
-        for (int j = 0; j < NV; ++j) acc[s][m][j] += xb * wv[j];
-      }
+      for (int j = 0; j < NV; ++j) acc[m][j] += xb * wv[j];
     }
-  }
-  if (KS == 2 && k < K) {  // odd K
-#pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) acc[0][0][j] += splat(xval(x, k)) * load_bf16(wp[j] + k * TILE);
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m) {
     float out[NV * VL];
 #pragma GCC unroll 8
     for (int j = 0; j < NV; ++j) {
-      vf v = KS == 2 ? acc[0][m][j] + acc[KS - 1][m][j] : acc[0][m][j];
+      vf v = acc[m][j];
       if (bias) v += load(bias + c0 + j * VL);
       store(out + j * VL, v);
     }
