@@ -16,6 +16,10 @@ from torch import nn
 
 from fastforward import kernels
 
+# logits per row recomputed with fp32 accumulation when the output projection runs through
+# oneDNN (batches above ``packed_rows_max``)
+RESCORE_TOP = 16
+
 
 class PackedLinear(nn.Module):
     """Replaces an ``nn.Linear`` (or fused ``MergedLinear``) with the same forward contract."""
@@ -62,9 +66,27 @@ class PackedLinear(nn.Module):
             x = x.float() if self.fp32_out else x
             return torch.ops.fastforward.linear_bf16(x, self.packed, self.out_features, self.bias)
         y = F.linear(x.to(torch.bfloat16), self.dense)
+        if self.fp32_out:
+            return self._rescored(x, y)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
+
+    def _rescored(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from oneDNN's bf16 ones (the CPU matmul has no fp32 output for bf16
+        inputs): each row's ``RESCORE_TOP`` largest are recomputed from the same bf16 numbers
+        with fp32 accumulation, so the greedy pick and the top logprobs are not bf16 ties (nor
+        depend on the batch size); the rest keep bf16's rounding (2^-9 relative)."""
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = y.reshape(x2.shape[0], self.out_features).float()
+        if self.bias is not None:
+            y = y + self.bias
+        top = y.topk(min(RESCORE_TOP, self.out_features), dim=-1).indices  # [R, k]
+        w = self.dense[top].float()  # [R, k, K]
+        exact = torch.bmm(w, x2.float().unsqueeze(-1)).squeeze(-1)
+        if self.bias is not None:
+            exact = exact + self.bias[top]
+        return y.scatter_(-1, top, exact).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (
