@@ -292,9 +292,40 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kHaveDp = true;
 
+// Transposes a 16 x 16 tile of 32-bit elements in registers: r[i] lane j <- r[j] lane i.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // rows now hold 4 x 4 transposed tiles per 128-bit lane; move the 128-bit lanes
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
 // attend_item for bf16 queries over a bf16 cache with vdpbf16ps (two bf16 products per fp32
-// lane): a row's score against a key is D/32 dot-product instructions on the stored bf16
-// values, nothing converted; values are interleaved in key pairs once per sub-block
+// lane), nothing converted. Scores: the sub-block's keys are transposed once (16 x 16 tiles of
+// bf16 pairs) so that vector p holds dimension pair p of all VL keys; a row's VL scores are then
+// D/2 dot-product instructions against its broadcast query pairs, already one score per lane
+// (no reduction across lanes) -- the GEMM layout, where scoring each key as a dot product would
+// need a transposing reduction per row. Values are interleaved in key pairs once per sub-block
 // (vpunpck{l,h}wd) so each row adds 2 keys x 16 dims per instruction, its softmax weights
 // rounded to bf16 (the sum l uses the same rounded weights). Same items, masking and online
 // softmax as attend_item; the accumulator is kept in the interleave's lane order and put back
@@ -305,7 +336,9 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
   const int C = int((D + 31) / 32);  // 32-dimension chunks of a row
   const __mmask32 full = 0xffffffffu;
   const __mmask32 tail = D % 32 ? __mmask32((1u << (D % 32)) - 1) : full;
-  __m512i qv[ROWS_MAX][D_MAX / 32];
+  const int P = int(D / 2);  // dimension pairs of a row
+  alignas(64) uint32_t qp[ROWS_MAX][D_MAX / 2];  // each row's query as bf16 pairs
+  __m512i kt[D_MAX / 2];  // pair p of the sub-block's keys (key j in lane j)
   __m512i vt[VL / 2][D_MAX / 32][2];  // key pair x chunk x (dims 0-3 / 4-7 of each 8)
   alignas(64) float acc[ROWS_MAX][D_MAX];
   alignas(64) float p[ROWS_MAX][VL];
@@ -316,7 +349,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
   RowState st(it, g, qpos0, rows);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = it.t0 + r / g.G, head = it.kvh * g.G + r % g.G;
-    for (int c = 0; c < C; ++c) qv[r][c] = load_row(q + (t * g.H + head) * D, c);
+    std::memcpy(qp[r], q + (t * g.H + head) * D, D * sizeof(uint16_t));
     std::fill(acc[r], acc[r] + 32 * C, 0.f);
   }
   const int64_t kv_stride = g.KVH * D;
@@ -337,29 +370,38 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
     prefetch_sub_block(cache, tab, g, it.kvh, s1, st.k_hi, kv_stride, half);
     bool any = false;
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t rlo = std::max(st.lo[r], s0), rhi = std::min(st.hi[r], s1);
-      seen[r] = rlo < rhi;
-      if (!seen[r]) continue;
-      vf dots[VL];
-      for (int j = 0; j < VL; ++j) {
-        __m512 a = _mm512_setzero_ps();
-        if (j < n) {
-          const uint16_t* kr = kb + j * kv_stride;
-          for (int c = 0; c < C; ++c)
-            a = _mm512_dpbf16_ps(a, (__m512bh)qv[r][c], (__m512bh)load_row(kr, c));
-        }
-        dots[j] = reinterpret_cast<vf&>(a);
-      }
-      vf sc = hsum_each(dots) * g.scale;
-      if (g.softcap > 0.f) {
-        for (int j = 0; j < VL; ++j) sc[j] = g.softcap * std::tanh(sc[j] / g.softcap);
-      }
-      store(p[r], st.update(r, sc, s0, rlo, rhi, acc[r], 32 * C, to_bf16));
-      any = true;
+      seen[r] = std::max(st.lo[r], s0) < std::min(st.hi[r], s1);
+      any |= seen[r];
     }
     if (!any) {
       s0 = s1;
       continue;
+    }
+    for (int c = 0; c < C; ++c) {  // 16 pairs (32 dimensions) of the VL keys at a time
+      __m512i tile[VL];
+      for (int j = 0; j < VL; ++j) tile[j] = j < n ? load_row(kb + j * kv_stride, c) : zero;
+      transpose16(tile);
+      for (int i = 0; i < 16 && 16 * c + i < P; ++i) kt[16 * c + i] = tile[i];
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!seen[r]) continue;
+      const int64_t rlo = std::max(st.lo[r], s0), rhi = std::min(st.hi[r], s1);
+      __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+      int pi = 0;
+      for (; pi + 4 <= P; pi += 4)
+        for (int u = 0; u < 4; ++u)
+          a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)_mm512_set1_epi32(int(qp[r][pi + u])),
+                                  (__m512bh)kt[pi + u]);
+      for (; pi < P; ++pi)
+        a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)_mm512_set1_epi32(int(qp[r][pi])),
+                                (__m512bh)kt[pi]);
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+      vf sc = reinterpret_cast<const vf&>(sum) * g.scale;
+      if (g.softcap > 0.f) {
+        for (int j = 0; j < VL; ++j) sc[j] = g.softcap * std::tanh(sc[j] / g.softcap);
+      }
+      store(p[r], st.update(r, sc, s0, rlo, rhi, acc[r], 32 * C, to_bf16));
     }
     const uint16_t* vb = kb + half;
     for (int jp = 0; jp < (n + 1) / 2; ++jp) {
