@@ -33,6 +33,21 @@ def test_linear_bf16_matches_dense(dtype, m, k, n, bias):
     torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * k**0.5)
 
 
+@pytest.mark.parametrize(("k", "n"), [(576, 1536), (100, 200), (33, 17)])
+def test_linear_bf16_rows_do_not_depend_on_the_batch(k, n):
+    """A row's output is bit-identical alone and in any batch (every block shape sums k in
+    the same order), so greedy output does not change with the batch size."""
+    torch.manual_seed(k)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    x = torch.randn(13, k)
+    ops = kernels.ops()
+    packed = ops.pack_linear_weight(w)
+    batched = ops.linear_bf16(x, packed, n, None)
+    for i in range(13):
+        assert torch.equal(ops.linear_bf16(x[i : i + 1], packed, n, None), batched[i : i + 1])
+    assert torch.equal(ops.linear_bf16(x[3:10], packed, n, None), batched[3:10])
+
+
 needs_q4 = pytest.mark.skipif(
     not (kernels.available() and kernels.ops().linear_q4_native()), reason="no AVX512-BF16"
 )
@@ -151,6 +166,7 @@ CASES = [
     ([1, 1, 1], [700, 5, 63], 9, 3, 64, None, None),  # decode, split-K on the long one
     ([37, 1, 5], [0, 90, 16], 9, 3, 64, None, None),  # prefill, decode, chunked prefill mixed
     ([20, 3], [0, 41], 4, 1, 24, None, None),  # MQA, head dim not a SIMD multiple
+    ([7, 1], [0, 20], 2, 1, 18, None, None),  # 9 dimension pairs: not a multiple of 4
     ([50, 1], [0, 300], 4, 2, 32, 17, None),  # sliding window
     ([9, 1], [4, 33], 4, 2, 32, None, 5.0),  # logit softcap
     ([1] * 12, list(range(0, 1200, 100)), 8, 2, 128, None, None),
@@ -371,17 +387,23 @@ def test_write_kv_rejects_bad_slots():
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3-rope-tied"])
-def test_packed_output_projection_returns_fp32_logits(tiny_model_dir, arch):
-    """Decode-sized batches get the head's fp32 accumulators, not logits rounded to bf16."""
+@pytest.mark.parametrize("rows", [3, 40])
+def test_packed_output_projection_returns_fp32_logits(tiny_model_dir, arch, rows):
+    """Decode-sized batches get the head's fp32 accumulators, not logits rounded to bf16;
+    larger ones (oneDNN's bf16 matmul) get their top RESCORE_TOP logits recomputed in fp32."""
     from fastforward import LLM
+    from fastforward.kernels.linear import RESCORE_TOP
 
     directory, _ = tiny_model_dir(arch)
     llm = LLM(str(directory), dtype="bfloat16", kernels="native", download_progress=False)
     model = llm.engine.model
-    hidden = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    hidden = torch.randn(rows, model.config.hidden_size).to(torch.bfloat16)
     logits = model.compute_logits(hidden)
     assert logits.dtype == torch.float32
     weight = model.lm_head.weight.double()  # the tied head packs the embedding matrix
     ref = hidden.double() @ weight.t()
+    if rows > model.lm_head.packed_rows_max:
+        top = ref.topk(RESCORE_TOP // 2, dim=-1).indices
+        ref, logits = ref.gather(-1, top), logits.gather(-1, top)
     err = (logits.double() - ref).abs().max() / ref.abs().max()
     assert err < 1e-5  # a bf16 rounding of the logits would leave ~2e-3
