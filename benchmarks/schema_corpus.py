@@ -49,10 +49,54 @@ def load_corpus() -> list[CorpusSchema]:
     return out
 
 
+# the keywords of a field that say what its value may be (descriptions are left out: long)
+_CONSTRAINTS = (
+    "type",
+    "enum",
+    "const",
+    "pattern",
+    "format",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+)
+PROMPT_SCHEMA_CHARS = 600  # the fields' summary is cut to this many characters
+
+
+def _field_summary(node: Any, depth: int = 0) -> Any:
+    """What a property's schema allows, compactly: its constraint keywords, a ``$ref`` by the
+    definition's name, array items and combinator members one level down."""
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {k: node[k] for k in _CONSTRAINTS if k in node}
+    if "$ref" in node:
+        out["$ref"] = str(node["$ref"]).rsplit("/", 1)[-1]
+    if depth < 1:
+        if isinstance(node.get("items"), dict):
+            out["items"] = _field_summary(node["items"], depth + 1)
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list):
+                out[key] = [_field_summary(m, depth + 1) for m in node[key]]
+    return out
+
+
 def prompt_for(item: CorpusSchema) -> str:
-    """A short instruction naming the schema's title/description and its required keys."""
+    """An instruction naming the schema's title/description, its required keys and what each
+    top-level field allows (type, enum, pattern, bounds). The model is told the constraints,
+    as OpenAI's and vLLM's structured-output guides advise: a pattern the model has not seen
+    (``^[^@]+@[^@]+$``) can otherwise keep a string open until ``max_tokens``."""
     s = item.schema
     what = s.get("title") or s.get("description") or item.name.split("#")[-1]
     what = " ".join(str(what).split())[:160]
-    keys = ", ".join(list(s.get("properties", {}))[:8])
-    return f"Write a JSON object for: {what}. Possible keys: {keys}.\nJSON:"
+    fields = {k: _field_summary(v) for k, v in (s.get("properties") or {}).items()}
+    summary = json.dumps(fields)
+    if len(summary) > PROMPT_SCHEMA_CHARS:
+        summary = summary[:PROMPT_SCHEMA_CHARS] + " ..."
+    required = ", ".join(s.get("required", [])) or "none"
+    return f"Write a JSON object for: {what}.\nRequired keys: {required}.\nFields: {summary}\nJSON:"
