@@ -17,7 +17,9 @@ Measured per dtype:
 * single-stream decode tok/s at a short and a long context (``--long-context`` tokens), one over
   the median time between tokens: the int8 cache reads half the bytes per key but dequantizes;
 * greedy agreement: of ``--greedy-prompts`` 64-token prompts (later pieces of the same text),
-  how many give the same first 32 generated tokens with either cache.
+  how many give the same first 32 generated tokens with either cache; and, as the noise floor,
+  how many the plain PyTorch path (``kernels="torch"``, model-dtype cache) gives like the
+  kernel path.
 
 Prints a table (metric | auto | int8 | int8/auto) and writes
 ``benchmarks/results/bench_kv_cache.json``.
@@ -97,14 +99,30 @@ def measure(args, kv: str) -> dict:
     long_prompt = prompts(llm, 1, args.long_context)[0]
     row["decode_tok_s_short"] = round(decode_speed(llm, long_prompt[:32], args.decode_tokens), 2)
     row["decode_tok_s_long"] = round(decode_speed(llm, long_prompt, args.decode_tokens), 2)
-    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    # prompts of 64 tokens, pieces of the text from token 5000 on (not the batch's prompts)
-    texts = prompts(llm, 80 + args.greedy_prompts, 64)[80:]
-    outs = llm.generate(texts, greedy, use_tqdm=False)
-    row["greedy_tokens"] = [o.outputs[0].token_ids for o in outs]
+    row["greedy_tokens"] = greedy_tokens(llm, args.greedy_prompts)
     del llm
     gc.collect()
     return row
+
+
+def greedy_tokens(llm: LLM, n: int) -> list[list[int]]:
+    """The first 32 greedy tokens after each of ``n`` 64-token prompts: pieces of the text from
+    token 5000 on (not the batch's prompts)."""
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts(llm, 80 + n, 64)[80:], greedy, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def noise_floor(args, reference: list[list[int]]) -> int:
+    """How many prompts the plain PyTorch path (``kernels="torch"``, same dtype, unquantized
+    cache) continues like the kernel path: the agreement two implementations of the same
+    numbers reach, i.e. how often a greedy path of 32 tokens meets a near-tie that rounding
+    alone flips."""
+    llm = LLM(args.model, dtype=args.dtype, kernels="torch", enable_prefix_caching=False)
+    tokens = greedy_tokens(llm, args.greedy_prompts)
+    del llm
+    gc.collect()
+    return sum(a == b for a, b in zip(reference, tokens, strict=True))
 
 
 def main() -> None:
@@ -124,6 +142,7 @@ def main() -> None:
         args.requests, args.new_tokens, args.long_context, args.decode_tokens = 16, 64, 512, 16
     rows = {kv: measure(args, kv) for kv in ("auto", "int8")}
     a, b = rows["auto"], rows["int8"]
+    floor = noise_floor(args, a["greedy_tokens"])
     same = [x == y for x, y in zip(a.pop("greedy_tokens"), b.pop("greedy_tokens"), strict=True)]
     print(f"{'metric':<22}{'auto':>12}{'int8':>12}{'int8/auto':>11}")
     for key in a:
@@ -133,6 +152,10 @@ def main() -> None:
         ratio = b[key] / a[key] if a[key] else float("nan")
         print(f"{key:<22}{a[key]:>12}{b[key]:>12}{ratio:>10.2f}x")
     print(f"greedy: {sum(same)} of {len(same)} prompts give the same first 32 tokens")
+    print(
+        f"noise floor: the plain PyTorch path with the {a['kv_dtype']} cache gives the kernel"
+        f" path's first 32 tokens on {floor} of {len(same)}"
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         **{k: v for k, v in vars(args).items()},
@@ -141,7 +164,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    agree = {"prompts": len(same), "same_first_32_tokens": sum(same)}
+    agree = {"prompts": len(same), "same_first_32_tokens": sum(same), "torch_path_same": floor}
     RESULTS.write_text(
         json.dumps({"config": meta, "results": rows, "greedy_agreement": agree}, indent=2)
     )
