@@ -75,8 +75,9 @@ class PackedLinear(nn.Module):
     def _rescored(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """fp32 logits from oneDNN's bf16 ones (the CPU matmul has no fp32 output for bf16
         inputs): each row's ``RESCORE_TOP`` largest are recomputed from the same bf16 numbers
-        with fp32 accumulation, so the greedy pick and the top logprobs are not bf16 ties (nor
-        depend on the batch size); the rest keep bf16's rounding (2^-9 relative)."""
+        with fp32 accumulation, so the greedy pick and the top logprobs are not bf16 ties; the
+        rest keep bf16's rounding (2^-9 relative). The fp32 sums' order differs from the packed
+        kernel's (batches up to ``packed_rows_max``), by fp32 rounding only."""
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = y.reshape(x2.shape[0], self.out_features).float()
         if self.bias is not None:
