@@ -4,7 +4,10 @@ does the constraint cost per token?
 1. ``--n`` generations (default 1000) over the real SchemaStore schemas of ``schema_corpus``
    (half greedy, half sampled at temperature 0.8 with a seed each), batched through the engine;
    every finished output must ``json.loads`` and validate with ``jsonschema`` against its
-   schema. Outputs cut by ``--max-tokens`` are counted apart (they cannot be complete).
+   schema. Outputs cut by ``--max-tokens`` are counted apart (they cannot be complete); with
+   ``--finish-reserve N`` the last N tokens of the budget steer each output to its end, and
+   outputs so shortened (``finish_reason`` "length", complete JSON) are validated and counted
+   apart too.
    Schemas the grammar engine refuses (too large, external ``$ref``) are counted and named.
 2. Overhead at batch 1 and batch 32: the share of engine step time spent computing and
    applying token masks and advancing the matchers, measured inside the same runs.
@@ -71,6 +74,7 @@ def run(
     max_tokens: int,
     batch: int,
     penalties: dict | None = None,
+    finish_reserve: int = 0,
 ) -> dict:
     """``penalties``: SamplingParams fields against loops (repetition_penalty, dry_*)."""
     jobs = []
@@ -82,7 +86,9 @@ def run(
             **(penalties or {}),
             temperature=0.8 if sampled else 0.0,
             seed=i if sampled else None,
-            structured_outputs=StructuredOutputsParams(json=item.schema),
+            structured_outputs=StructuredOutputsParams(
+                json=item.schema, finish_reserve=finish_reserve
+            ),
         )
         jobs.append((item, prompt_for(item), params))
     llm.engine.scheduler.config.max_num_seqs = batch
@@ -91,23 +97,34 @@ def run(
     outs = llm.generate([p for _, p, _ in jobs], [sp for _, _, sp in jobs])
     wall = time.perf_counter() - start
     counts: Counter[str] = Counter()
-    failures, cut = [], []
+    failures, cut, shortened = [], [], []
     tokens = 0
     for (item, _, params), out in zip(jobs, outs, strict=True):
         c = out.outputs[0]
         tokens += len(c.token_ids)
-        if c.finish_reason == "length":
-            counts["cut_by_max_tokens"] += 1
-            cut.append(
-                {"schema": item.name, "sampled": params.temperature > 0, "tail": c.text[-200:]}
-            )
+        try:
+            value = json.loads(c.text)
+        except json.JSONDecodeError as e:
+            if c.finish_reason == "length":  # cut mid-way: it cannot be complete
+                counts["cut_by_max_tokens"] += 1
+                cut.append(
+                    {"schema": item.name, "sampled": params.temperature > 0, "tail": c.text[-200:]}
+                )
+            else:
+                counts["invalid"] += 1
+                failures.append({"schema": item.name, "text": c.text[:300], "error": str(e)[:300]})
             continue
         try:
-            jsonschema.validate(json.loads(c.text), item.schema)
-            counts["valid"] += 1
-        except (json.JSONDecodeError, jsonschema.ValidationError) as e:
+            jsonschema.validate(value, item.schema)
+        except jsonschema.ValidationError as e:
             counts["invalid"] += 1
             failures.append({"schema": item.name, "text": c.text[:300], "error": str(e)[:300]})
+            continue
+        if c.finish_reason == "length":  # complete, but ended early by the budget
+            counts["valid_shortened_by_budget" if finish_reserve else "valid_at_max_tokens"] += 1
+            shortened.append({"schema": item.name, "sampled": params.temperature > 0})
+        else:
+            counts["valid"] += 1
     mask_s = timer.seconds - mask_before
     return {
         "generations": n,
@@ -120,6 +137,7 @@ def run(
         "mask_share_of_time": round(mask_s / wall, 4),
         "failures": failures[:20],
         "cut": cut[:40],
+        "shortened": shortened[:40],
     }
 
 
@@ -148,6 +166,14 @@ def main() -> None:
         help='DRY\'s breakers as a JSON list (default llama.cpp\'s ["\\n", ":", "\\"", "*"]; '
         "[] lets DRY see repeats of JSON structure, e.g. a recursive schema nested on and on)",
     )
+    ap.add_argument(
+        "--finish-reserve",
+        type=int,
+        default=0,
+        metavar="N",
+        help="structured_outputs.finish_reserve of the 1,000-generation run: the last N tokens "
+        "of --max-tokens steer each output to its end (0: off)",
+    )
     ap.add_argument("--overhead-n", type=int, default=64, help="generations per overhead run")
     ap.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "bench_structured.json")
@@ -164,8 +190,18 @@ def main() -> None:
     }
     if args.dry_sequence_breakers is not None:
         penalties["dry_sequence_breakers"] = args.dry_sequence_breakers
-    main_run = run(llm, timer, schemas, args.n, args.max_tokens, batch=32, penalties=penalties)
-    print(json.dumps({k: v for k, v in main_run.items() if k not in ("failures", "cut")}, indent=1))
+    main_run = run(
+        llm,
+        timer,
+        schemas,
+        args.n,
+        args.max_tokens,
+        batch=32,
+        penalties=penalties,
+        finish_reserve=args.finish_reserve,
+    )
+    lists = ("failures", "cut", "shortened")
+    print(json.dumps({k: v for k, v in main_run.items() if k not in lists}, indent=1))
     overhead = {}
     for batch in (1, 32):
         n = args.overhead_n if batch > 1 else max(8, args.overhead_n // 8)
@@ -180,6 +216,7 @@ def main() -> None:
         "repetition_penalty": args.repetition_penalty,
         "dry_multiplier": args.dry_multiplier,
         "dry_sequence_breakers": args.dry_sequence_breakers,
+        "finish_reserve": args.finish_reserve,
         "schemas_usable": len(schemas),
         "schemas_refused": refused,
         "run": main_run,

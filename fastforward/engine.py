@@ -161,14 +161,15 @@ class LLMEngine:
             ),
         )
         self.runner = ModelRunner(self.model, self.kv_config, self.device, args.fused_layers)
+        # a function of the tokenizer alone: a bound method would make a reference cycle
+        # through the engine, and engines (with their KV caches) would wait for the gc
+        texts = functools.partial(token_texts, self.tokenizer)
         self.grammars = GrammarCompiler(
             self.tokenizer.backend,
             self.model_config.vocab_size,
             self.tokenizer.eos_token_id,
+            token_texts=texts,
         )
-        # a function of the tokenizer alone: a bound method would make a reference cycle
-        # through the engine, and engines (with their KV caches) would wait for the gc
-        texts = functools.partial(token_texts, self.tokenizer)
         self.sampler = Sampler(seed=args.seed, grammars=self.grammars, token_texts=texts)
         self.verifier = DraftVerifier(self.sampler, self.grammars)
         self.proposer = self._make_proposer(self.spec_config)
@@ -477,7 +478,10 @@ class LLMEngine:
         if cfg.adaptive and r.num_spec_steps:
             k = max(1, min(k, int(r.num_accepted_tokens / r.num_spec_steps) + 1))
         room = min(r.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens) - 1
-        return min(k, room)
+        so = r.sampling_params.structured_outputs
+        if so is not None:  # the finish window is sampled token by token, never drafted
+            room -= so.finish_reserve
+        return max(0, min(k, room))
 
     def _process_text(self, seq: SequenceState) -> None:
         stop = self.output_processor.process(seq)
@@ -491,9 +495,15 @@ class LLMEngine:
         )
         if stop is None and not grammar_done:
             return
+        # A grammar completed under steering was cut short by the budget (finish_reserve)
+        status = (
+            RequestStatus.FINISHED_LENGTH
+            if grammar_done and req.finish_steered
+            else RequestStatus.FINISHED_STOPPED
+        )
         if not req.is_finished:
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        req.status = RequestStatus.FINISHED_STOPPED
+            self.scheduler.finish_requests([req.request_id], status)
+        req.status = status
         if grammar_done:
             self.output_processor.process(seq)  # now finished: flush the held-back text
         else:

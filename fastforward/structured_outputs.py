@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +116,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # Steer the output to an end in the last ``finish_reserve`` tokens of its budget (0: off;
+    # ``steer_to_finish``): an output cut by ``max_tokens`` or the context does not parse.
+    finish_reserve: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -130,6 +134,15 @@ class StructuredOutputsParams:
             raise ValueError(
                 "structured_outputs needs exactly one of json, regex, choice, grammar, "
                 f"json_object (got {', '.join(given) or 'none'})"
+            )
+        if (
+            isinstance(self.finish_reserve, bool)
+            or not isinstance(self.finish_reserve, int)
+            or self.finish_reserve < 0
+        ):
+            raise ValueError(
+                "structured_outputs.finish_reserve must be an integer >= 0 (tokens), "
+                f"got {self.finish_reserve!r}"
             )
         if self.json is not None and not isinstance(self.json, dict | str):
             raise ValueError("structured_outputs.json must be a JSON Schema object or string")
@@ -155,10 +168,18 @@ class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` into validated llguidance grammars (cached) and
     makes one matcher per sequence. The tokenizer's vocabulary is read once, on first use."""
 
-    def __init__(self, backend: Any, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        vocab_size: int,
+        eos_token_id: int | None,
+        token_texts: Callable[[], Sequence[str]] | None = None,
+    ) -> None:
         self._backend = backend  # a ``tokenizers.Tokenizer``; serialized only on first use
         self._vocab_size = vocab_size
         self._eos = eos_token_id
+        self._token_texts = token_texts  # every id's text, for ``finish_classes``
+        self._finish_classes: FinishClasses | None = None
         self._lltok = None
         self._grammars: dict[str, str] = {}
         self._executor = None
@@ -244,6 +265,13 @@ class GrammarCompiler:
             raise ValueError(f"invalid structured output: {m.get_error()}")
         return m
 
+    def finish_classes(self, vocab: int) -> FinishClasses:
+        """The vocabulary sorted for ``steer_to_finish`` (computed once)."""
+        if self._finish_classes is None:
+            texts = self._token_texts() if self._token_texts is not None else []
+            self._finish_classes = FinishClasses.from_texts(texts, vocab, self._eos)
+        return self._finish_classes
+
     def fill_bitmask(self, matchers: list, bitmask: torch.Tensor) -> None:
         """Allowed-token bits of each matcher into row ``i`` of ``bitmask`` [R, ceil(V/32)]
         int32, computed in parallel threads."""
@@ -263,9 +291,163 @@ def bitmask_to_bool(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
+_CLOSERS = frozenset('"]}')
+_OPENERS = frozenset("{[,")
+_NUMBER_CHARS = "-+.eE0123456789"
+_NUMBER_FREE = 16  # characters of a number literal before steering cuts it (float64 digits)
+
+
+@dataclass(slots=True)
+class FinishClasses:
+    """What ``steer_to_finish`` needs of the vocabulary: every id's text, and ``[V]`` bool
+    tensors of the tokens made only of ``"``, ``]`` and ``}`` (``closes``), those of them that
+    close an array or object (``closes_bracket``) or begin with a quote (``quote_first``: in
+    a string they end it), and the tokens that hold ``{``, ``[`` or ``,`` (``opens``)."""
+
+    texts: Sequence[str]
+    closes: torch.Tensor
+    closes_bracket: torch.Tensor
+    quote_first: torch.Tensor
+    opens: torch.Tensor
+    eos: int | None
+
+    @classmethod
+    def from_texts(cls, texts: Sequence[str], vocab: int, eos: int | None) -> FinishClasses:
+        closes, bracket, quote, opens = (torch.zeros(vocab, dtype=torch.bool) for _ in range(4))
+        for i, text in enumerate(texts[:vocab]):
+            chars = set(text)
+            if chars and chars <= _CLOSERS:
+                closes[i] = True
+                bracket[i] = bool(chars - {'"'})
+                quote[i] = text[0] == '"'
+            opens[i] = not chars.isdisjoint(_OPENERS)
+        eos = eos if eos is not None and 0 <= eos < vocab else None
+        return cls(list(texts[:vocab]), closes, bracket, quote, opens, eos)
+
+
+@dataclass(slots=True)
+class JsonScan:
+    """Where JSON text stands at its end, fed piece by piece: inside a string (right after a
+    backslash in it), how many arrays and objects are open, how many characters of a number
+    (or literal) end it, and how many tokens were fed."""
+
+    in_string: bool = False
+    escaped: bool = False
+    depth: int = 0
+    number: int = 0
+    tokens: int = 0
+
+    def feed(self, text: str) -> None:
+        for c in text:
+            if self.escaped:
+                self.escaped = False
+            elif self.in_string:
+                if c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c in _NUMBER_CHARS:
+                self.number += 1
+                continue
+            elif c == '"':
+                self.in_string = True
+            elif c in "[{":
+                self.depth += 1
+            elif c in "]}":
+                self.depth -= 1
+            self.number = 0
+
+
+def scan_json(text: str) -> JsonScan:
+    state = JsonScan()
+    state.feed(text)
+    return state
+
+
+def json_state(request: Any, classes: FinishClasses) -> JsonScan | None:
+    """The JSON state at the end of ``request``'s output (None unless its constraint is JSON),
+    scanned incrementally: ``request.finish_scan`` keeps it between steps."""
+    if request.sampling_params.structured_outputs.kind not in ("json", "json_object"):
+        return None
+    scan = request.finish_scan
+    if scan is None:
+        scan = request.finish_scan = JsonScan()
+    ids = request.output_token_ids
+    texts = classes.texts
+    for t in ids[scan.tokens :]:
+        scan.feed(texts[t] if 0 <= t < len(texts) else "")
+    scan.tokens = len(ids)
+    return scan
+
+
+def in_finish_window(request: Any, classes: FinishClasses) -> bool:
+    """Whether ``request`` samples within the last ``finish_reserve`` tokens of its budget
+    (``max_tokens``, already capped by the context), plus, for JSON, a token for each array
+    and object open (deep nesting takes that many to close)."""
+    so = request.sampling_params.structured_outputs
+    if so is None or not so.finish_reserve:
+        return False
+    room = request.max_tokens - request.num_output_tokens
+    if room <= so.finish_reserve:
+        return True
+    state = json_state(request, classes)
+    return state is not None and room <= so.finish_reserve + state.depth
+
+
+def _finishing_tiers(request: Any, classes: FinishClasses) -> list[torch.Tensor]:
+    """Token classes in the order ``steer_to_finish`` prefers them for ``request``."""
+    state = json_state(request, classes)
+    if state is None or state.escaped:
+        return []  # other grammars: only the end itself is known
+    if state.in_string:  # a closing quote, with what it may close after it
+        return [classes.quote_first]
+    # close an array or object; else a quote (a key or value the grammar requires); else
+    # anything that opens nothing new
+    tiers = [classes.closes_bracket, classes.closes, ~classes.opens]
+    room = request.max_tokens - request.num_output_tokens
+    if 0 < state.number < _NUMBER_FREE and room > state.depth + 1:
+        # A shortened number is another number: the model may end it while every open
+        # bracket can still close after it (a token each at most), but not start another item
+        return tiers[2:]
+    return tiers
+
+
+def steer_to_finish(allowed: torch.Tensor, requests: list, classes: FinishClasses) -> torch.Tensor:
+    """Of the tokens ``allowed`` [R, V] by each row's grammar, the ones that end the output
+    soonest (rows are requests in their ``finish_reserve`` window): EOS where the grammar is
+    complete; for JSON, the first non-empty class of ``_finishing_tiers`` (inside a string a
+    closing quote; outside, a closing bracket, then a quote, then what opens nothing); else
+    all allowed. The model picks among them, so required keys and values still come from it.
+    Requests whose choice this narrows are marked ``finish_steered`` (they finish with
+    ``length``: shortened by the budget, not ended by the model)."""
+    out = allowed.clone()
+    for row, req in enumerate(requests):
+        ok = allowed[row]
+        eos = classes.eos
+        if (
+            eos is not None
+            and bool(ok[eos])
+            and req.num_output_tokens >= req.sampling_params.min_tokens
+        ):
+            pick = torch.zeros_like(ok)
+            pick[eos] = True
+        else:
+            pick = ok
+            for tier in _finishing_tiers(req, classes):
+                narrowed = ok & tier.to(ok.device)
+                if bool(narrowed.any()):
+                    pick = narrowed
+                    break
+        if not torch.equal(pick, ok):
+            out[row] = pick
+            req.finish_steered = True
+    return out
+
+
 def apply_grammar_masks(logits: torch.Tensor, requests: list, compiler: GrammarCompiler) -> None:
-    """In place on ``logits`` [B, V]: ``-inf`` for every token the row's grammar forbids. Rows
-    whose request has no grammar are left alone."""
+    """In place on ``logits`` [B, V]: ``-inf`` for every token the row's grammar forbids (and,
+    in a request's ``finish_reserve`` window, for those ``steer_to_finish`` drops). Rows whose
+    request has no grammar are left alone."""
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
         return
@@ -273,5 +455,12 @@ def apply_grammar_masks(logits: torch.Tensor, requests: list, compiler: GrammarC
     bitmask = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int32)
     compiler.fill_bitmask([requests[i].grammar for i in rows], bitmask)
     allowed = bitmask_to_bool(bitmask, vocab).to(logits.device)  # [R, V]
+    if any(requests[i].sampling_params.structured_outputs.finish_reserve for i in rows):
+        classes = compiler.finish_classes(vocab)
+        finishing = [j for j, i in enumerate(rows) if in_finish_window(requests[i], classes)]
+        if finishing:
+            sub = torch.tensor(finishing, device=allowed.device)
+            reqs = [requests[rows[j]] for j in finishing]
+            allowed[sub] = steer_to_finish(allowed[sub], reqs, classes)
     row_idx = torch.tensor(rows, device=logits.device)
     logits[row_idx] = logits[row_idx].masked_fill(~allowed, float("-inf"))

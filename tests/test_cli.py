@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 
@@ -31,6 +33,10 @@ def test_help_explains_every_option():
         "--max-num-batched-tokens",
         "--stop",
         "--ignore-eos",
+        "--json-schema",
+        "--regex",
+        "--choice",
+        "--finish-reserve",
     ):
         assert option in out.stdout
     assert run("--help").returncode == 0
@@ -88,6 +94,30 @@ def test_bad_option_is_a_clean_error(tiny_model_dir):
     assert "top_p" in out.stderr and "Traceback" not in out.stderr
     out = run("generate", "x", "--model", "no-such-model")
     assert out.returncode == 2 and "unknown model" in out.stderr
+
+
+def test_structured_output_options(tiny_model_dir, tmp_path):
+    """The constraint options reach the engine: a tiny random model's output still follows
+    them (and ends in valid JSON within --max-tokens with --finish-reserve)."""
+    directory, _ = tiny_model_dir("llama")
+    base = ("generate", "x", "--model", str(directory), "--dtype", "float32", "--no-stream")
+    out = run(*base, "--choice", "yes", "--choice", "no", "--max-tokens", "8")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in ("yes", "no")
+    out = run(*base, "--regex", "[0-9]{3}", "--max-tokens", "8")
+    assert re.fullmatch(r"[0-9]{3}", out.stdout.strip()), out.stdout
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "array", "items": {"type": "integer"}}))
+    out = run(*base, "--json-schema", str(schema), "--max-tokens", "16", "--finish-reserve", "8")
+    assert out.returncode == 0, out.stderr
+    assert all(isinstance(v, int) for v in json.loads(out.stdout))
+    for bad, needle in (
+        (("--finish-reserve", "4"), "needs an output constraint"),
+        (("--json-schema", str(tmp_path / "missing.json")), "neither a file"),
+        (("--json-schema", '{"type": "frobnicate"}'), "frobnicate"),
+    ):
+        out = run(*base, *bad)
+        assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.slow

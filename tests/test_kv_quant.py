@@ -104,8 +104,9 @@ def greedy_fp32(smollm2_path):
 
 def test_greedy_on_smollm2_parts_from_the_fp32_cache_only_at_near_ties(greedy_fp32):
     """The KV dtype is the only difference. Measured: 4 of 8 prompts agree on all 32 tokens,
-    the others part after 13-27 tokens, each where the fp32 cache's two most likely tokens were
-    within 0.14 nats (0.005-0.14)."""
+    the others part where the fp32 cache's two most likely tokens were within 0.2 nats (after
+    13-27 tokens with gaps 0.005-0.14 on an AMD EPYC; after 3-27 tokens with gaps 0.005-0.2 on
+    an AMX Xeon, whose fp32 matmuls round differently)."""
     same = 0
     for a, b in zip(greedy_fp32["auto"], greedy_fp32["int8"], strict=True):
         n = next(
@@ -116,7 +117,7 @@ def test_greedy_on_smollm2_parts_from_the_fp32_cache_only_at_near_ties(greedy_fp
             same += 1
             continue
         top = sorted((lp.logprob for lp in a.logprobs[n].values()), reverse=True)
-        assert n >= 8 and top[0] - top[1] < 0.25, (n, top)
+        assert top[0] - top[1] < 0.25, (n, top)
     assert same >= 4
 
 

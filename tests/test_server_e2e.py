@@ -800,6 +800,36 @@ def test_structured_outputs_over_http(client):
     assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", r.choices[0].text)
 
 
+def test_finish_reserve_over_http(client):
+    """An array the model keeps filling: cut by max_tokens it does not parse; with
+    ``finish_reserve`` (top level, or inside ``structured_outputs``) it is closed in time."""
+    schema = {
+        "type": "object",
+        "properties": {"primes": {"type": "array", "items": {"type": "integer"}}},
+        "required": ["primes"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "primes", "schema": schema}}
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "List the first 100 prime numbers as JSON."}],
+        max_tokens=24,
+        temperature=0,
+    )
+    plain = client.chat.completions.create(**kw, response_format=fmt).choices[0]
+    assert plain.finish_reason == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(plain.message.content)
+    for extra in (
+        {"finish_reserve": 6},
+        {"structured_outputs": {"json": schema, "finish_reserve": 6}},
+    ):
+        fmt_kw = {} if "structured_outputs" in extra else {"response_format": fmt}
+        r = client.chat.completions.create(**kw, **fmt_kw, extra_body=extra).choices[0]
+        assert r.finish_reason == "length"
+        assert all(isinstance(v, int) for v in json.loads(r.message.content)["primes"])
+        assert r.message.content[:20] == plain.message.content[:20]
+
+
 def test_tokenize_detokenize(http, offline):
     tok = offline.get_tokenizer()
     r = http.post(
@@ -884,6 +914,17 @@ CHAT = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
         ),
         ("/v1/completions", {**CMPL, "stop": [""]}, "stop"),
         ("/v1/completions", {**CMPL, "dry_base": 0.5}, "dry_base"),
+        ("/v1/completions", {**CMPL, "finish_reserve": 4}, "finish_reserve"),  # no constraint
+        ("/v1/completions", {**CMPL, "finish_reserve": -1}, "finish_reserve"),
+        (
+            "/v1/completions",
+            {
+                **CMPL,
+                "finish_reserve": 4,
+                "structured_outputs": {"regex": "a", "finish_reserve": 8},
+            },
+            "finish_reserve",
+        ),
         ("/v1/completions", {**CMPL, "dry_sequence_breakers": [""]}, "dry_sequence_breakers"),
     ],
 )

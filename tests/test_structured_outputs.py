@@ -150,7 +150,11 @@ def test_every_constraint_kind(llm):
             check(c.text)
 
 
-def test_constrained_and_free_requests_share_a_batch(llm):
+def test_constrained_and_free_requests_share_a_batch(smollm2_path):
+    """A free request's tokens are the same alone and beside constrained ones. In fp32: in
+    bf16, a 5-token prefill alone and the batch's 15 tokens take different matmul kernels
+    (packed vs oneDNN), whose roundings flipped a 0.04-nat greedy near-tie on an AMX Xeon."""
+    llm = LLM(str(smollm2_path), dtype="float32", max_num_seqs=16)
     free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     alone = llm.generate("The history of Rome", free)[0].outputs[0].token_ids
     constrained = SamplingParams(
@@ -228,3 +232,150 @@ def test_real_schemas_all_validate(llm):
         finished += 1
         jsonschema.validate(json.loads(c.text), item.schema)
     assert finished >= len(usable) * 2 // 3
+
+
+# ---- finishing within the budget (finish_reserve) ----------------------------------------
+
+
+def test_scan_json():
+    from fastforward.structured_outputs import JsonScan, scan_json
+
+    assert scan_json('{"a": "b') == JsonScan(in_string=True, depth=1)
+    assert scan_json('{"a": ["b"') == JsonScan(in_string=False, depth=2)
+    assert scan_json('{"a": "x\\"y[') == JsonScan(in_string=True, depth=1)  # escaped quote
+    assert scan_json('{"a": "x\\') == JsonScan(in_string=True, escaped=True, depth=1)
+    assert scan_json('{"a": "x\\\\"}') == JsonScan(depth=0)  # an escaped backslash, then the end
+    assert scan_json('[{"]": "{"}, [') == JsonScan(depth=2)  # brackets in strings don't count
+    assert scan_json('[{"a": -1.5e') == JsonScan(depth=2, number=5)
+    assert scan_json('[{"a": "-1.5e') == JsonScan(in_string=True, depth=2)
+
+
+def test_steer_to_finish_prefers_the_shortest_way_out():
+    from types import SimpleNamespace
+
+    from fastforward.structured_outputs import FinishClasses, steer_to_finish
+
+    texts = ["<eos>", '"', "]", "}", '"}', "abc", "{", ",", "7", '"]}', "["]
+    classes = FinishClasses.from_texts(texts, len(texts), eos=0)
+    ids = {t: i for i, t in enumerate(texts)}
+
+    def request(text, kind="json", room=8):
+        so = SimpleNamespace(kind=kind)
+        params = SimpleNamespace(structured_outputs=so, min_tokens=0)
+        out = [ids[t] for t in text]
+        return SimpleNamespace(
+            sampling_params=params,
+            output_token_ids=out,
+            num_output_tokens=len(out),
+            max_tokens=len(out) + room,
+            finish_steered=False,
+            finish_scan=None,
+        )
+
+    def picks(req, allowed_texts):
+        allowed = torch.zeros(1, len(texts), dtype=torch.bool)
+        allowed[0, [ids[t] for t in allowed_texts]] = True
+        out = steer_to_finish(allowed, [req], classes)[0]
+        return sorted(texts[i] for i in out.nonzero().flatten().tolist())
+
+    # outside a string: brackets first, then quotes, then whatever opens nothing new
+    assert picks(request(["{"]), ['"', "}", "abc", ","]) == ["}"]
+    assert picks(request(["{"]), ['"', "abc", ","]) == ['"']
+    assert picks(request(["{"]), ["abc", ",", "{"]) == ["abc"]
+    # inside a string a quote ends it: '"}' and '"]}' close more after it, '}' would be text
+    assert picks(request(["{", '"', "abc"]), ["abc", "}", '"', '"}', '"]}']) == ['"', '"]}', '"}']
+    # a complete grammar ends at once
+    assert picks(request(["{", "}"]), ["<eos>", "abc"]) == ["<eos>"]
+    # a short number is the model's to finish (not to follow with another item) while every
+    # open bracket can still close after it
+    assert picks(request(["{", "[", "7"], room=4), ["7", "]", ","]) == ["7", "]"]
+    assert picks(request(["{", "[", "7"], room=3), ["7", "]", ","]) == ["]"]
+    # other grammars only get the end
+    assert picks(request(["abc"], kind="regex"), ["abc", '"']) == ['"', "abc"]
+    req = request(["{"])
+    picks(req, ["}", "abc"])
+    assert req.finish_steered
+
+
+def test_finish_window_opens_early_when_deep():
+    from types import SimpleNamespace
+
+    from fastforward.structured_outputs import FinishClasses, in_finish_window
+
+    texts = ['{"a": [', "1", ", ", "]", "}"]
+    classes = FinishClasses.from_texts(texts, len(texts), eos=None)
+
+    def request(ids, max_tokens, reserve=2, kind="json"):
+        so = SimpleNamespace(kind=kind, finish_reserve=reserve)
+        return SimpleNamespace(
+            sampling_params=SimpleNamespace(structured_outputs=so),
+            output_token_ids=ids,
+            num_output_tokens=len(ids),
+            max_tokens=max_tokens,
+            finish_scan=None,
+        )
+
+    assert not in_finish_window(request([0, 1], 10), classes)
+    assert in_finish_window(request([0, 1], 4), classes)  # the reserve
+    deep = [0] * 5 + [1]  # ten brackets open: the window is ten tokens longer
+    assert in_finish_window(request(deep, 6 + 12), classes)
+    assert not in_finish_window(request(deep, 6 + 13), classes)
+    assert not in_finish_window(request(deep, 6 + 12, kind="regex"), classes)
+    assert not in_finish_window(request(deep, 6 + 1, reserve=0), classes)
+    req = request(deep, 100)  # scanned once, then only what is new
+    in_finish_window(req, classes)
+    req.output_token_ids = deep + [3, 3]
+    req.num_output_tokens = 8
+    in_finish_window(req, classes)
+    assert req.finish_scan.depth == 8 and req.finish_scan.tokens == 8
+
+
+def test_finish_reserve_validation():
+    with pytest.raises(ValueError, match="finish_reserve"):
+        StructuredOutputsParams(json_object=True, finish_reserve=-1)
+    with pytest.raises(ValueError, match="finish_reserve"):
+        StructuredOutputsParams(json_object=True, finish_reserve="8")
+
+
+LOOPY = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "count": {"type": "integer"},
+    },
+    "required": ["name", "tags", "count"],
+}
+
+
+def test_finish_reserve_ends_cut_outputs_in_valid_json(llm):
+    """Without a reserve, outputs cut by max_tokens do not parse; with one, every output
+    parses and validates, and those the budget shortened say ``length``."""
+    prompts = [
+        "A JSON object for a cat, with a hundred tags:",
+        "Describe the history of Rome as JSON:",
+        "A product record as JSON, many tags:",
+    ]
+    reserve, broken, shortened = 12, 0, 0
+    for max_tokens in (24, 32, 40):
+        for temperature in (0.0, 0.9):
+            outs = {}
+            for r in (0, reserve):
+                so = StructuredOutputsParams(json=LOOPY, finish_reserve=r)
+                params = SamplingParams(
+                    max_tokens=max_tokens, temperature=temperature, seed=5, structured_outputs=so
+                )
+                outs[r] = [o.outputs[0] for o in llm.generate(prompts, params)]
+            for plain, steered in zip(outs[0], outs[reserve], strict=True):
+                assert len(steered.token_ids) <= max_tokens
+                jsonschema.validate(json.loads(steered.text), LOOPY)
+                shortened += steered.finish_reason == "length"
+                if len(plain.token_ids) <= max_tokens - reserve:  # never reached the window
+                    assert steered.token_ids == plain.token_ids
+                    assert steered.finish_reason == plain.finish_reason == "stop"
+                try:
+                    json.loads(plain.text)
+                except json.JSONDecodeError:
+                    broken += 1
+                    assert plain.finish_reason == "length"
+    assert broken > 0 and shortened > 0  # the reserve is what made the difference

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 
 from fastforward.engine import EngineArgs
 from fastforward.entrypoints import eval as eval_cmd
@@ -146,6 +147,31 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    g = p.add_argument_group("structured output (one of them; docs/structured.md)")
+    c = g.add_mutually_exclusive_group()
+    c.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        default=None,
+        help="the output is JSON valid against this JSON Schema (a file, or the schema inline)",
+    )
+    c.add_argument("--json", action="store_true", help="the output is a JSON object")
+    c.add_argument("--regex", default=None, help="the output matches this regular expression")
+    c.add_argument(
+        "--grammar-file", default=None, help="the output follows this Lark grammar (a file)"
+    )
+    c.add_argument(
+        "--choice", action="append", default=None, help="the output is one of these (repeatable)"
+    )
+    g.add_argument(
+        "--finish-reserve",
+        type=int,
+        default=0,
+        metavar="N",
+        help="in the last N tokens of --max-tokens, steer the output to its end (close strings, "
+        "arrays and objects) so that it still parses; it then finishes with 'length' "
+        "(default: %(default)s = off)",
+    )
 
 
 def _engine_args(ns: argparse.Namespace) -> EngineArgs:
@@ -168,6 +194,37 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
     )
 
 
+def _structured_outputs(ns: argparse.Namespace):
+    """The output constraint of ``--json-schema``/``--json``/``--regex``/``--grammar-file``/
+    ``--choice``, or None."""
+    from fastforward.structured_outputs import StructuredOutputsParams
+
+    if ns.json_schema is not None:
+        text = ns.json_schema
+        if not text.lstrip().startswith("{"):
+            path = Path(text)
+            if not path.is_file():
+                raise ValueError(f"--json-schema: {text} is neither a file nor a JSON object")
+            text = path.read_text()
+        kind = {"json": text}
+    elif ns.json:
+        kind = {"json_object": True}
+    elif ns.regex is not None:
+        kind = {"regex": ns.regex}
+    elif ns.grammar_file is not None:
+        try:
+            kind = {"grammar": Path(ns.grammar_file).read_text()}
+        except OSError as e:
+            raise ValueError(f"--grammar-file: {e}") from None
+    elif ns.choice:
+        kind = {"choice": ns.choice}
+    else:
+        if ns.finish_reserve:
+            raise ValueError("--finish-reserve needs an output constraint (--json-schema, ...)")
+        return None
+    return StructuredOutputsParams(**kind, finish_reserve=ns.finish_reserve)
+
+
 def _sampling_params(ns: argparse.Namespace):
     from fastforward.sampling_params import SamplingParams
 
@@ -186,6 +243,7 @@ def _sampling_params(ns: argparse.Namespace):
         seed=ns.sampling_seed,
         stop=ns.stop,
         ignore_eos=ns.ignore_eos,
+        structured_outputs=_structured_outputs(ns),
     )
 
 
@@ -217,8 +275,8 @@ def _stream_to_stdout(llm, prompt, params) -> str:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    params = _sampling_params(ns)  # bad options fail before the model loads
     llm = _make_llm(ns)
-    params = _sampling_params(ns)
     if ns.chat_template:
         tok = llm.get_tokenizer()
         messages = [{"role": "user", "content": ns.prompt}]
@@ -233,8 +291,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
+    params = _sampling_params(ns)  # bad options fail before the model loads
     llm = _make_llm(ns)
-    params = _sampling_params(ns)
     tok = llm.get_tokenizer()
     history: list[dict[str, str]] = []
     if ns.system:

@@ -126,7 +126,23 @@ def structured_outputs(
     if len(found) > 1:
         names = ", ".join(n for n, _ in found)
         raise APIError(f"give one output constraint, not several ({names})", param=found[1][0])
-    return found[0][1] if found else None
+    if req.finish_reserve is None:
+        return found[0][1] if found else None
+    if not found:
+        raise APIError(
+            "finish_reserve applies to constrained outputs: give response_format, "
+            "structured_outputs or guided_* too",
+            param="finish_reserve",
+        )
+    name, so = found[0]
+    if so.finish_reserve not in (0, req.finish_reserve):
+        raise APIError(
+            f"finish_reserve={req.finish_reserve} differs from {name}.finish_reserve="
+            f"{so.finish_reserve}",
+            param="finish_reserve",
+        )
+    so.finish_reserve = req.finish_reserve
+    return so
 
 
 def constraint_field(req: CompletionRequest | ChatCompletionRequest) -> str:

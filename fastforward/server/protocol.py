@@ -48,6 +48,8 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # fastforward: steer a constrained output to its end in the budget's last N tokens
+    finish_reserve: int | None = Field(None, ge=0)
 
 
 class CompletionRequest(_SamplingFields):
