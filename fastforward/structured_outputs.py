@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -295,6 +295,10 @@ _CLOSERS = frozenset('"]}')
 _OPENERS = frozenset("{[,")
 _NUMBER_CHARS = "-+.eE0123456789"
 _NUMBER_FREE = 16  # characters of a number literal before steering cuts it (float64 digits)
+# A way out of a string that a pattern holds open is searched among runs of at most this many
+# one-character tokens, drawn from the schema's patterns' own characters and these
+_EXIT_DEPTH = 4
+_EXIT_CHARS = "a0A@:-./_"
 
 
 @dataclass(slots=True)
@@ -310,19 +314,74 @@ class FinishClasses:
     quote_first: torch.Tensor
     opens: torch.Tensor
     eos: int | None
+    chars: dict[str, int] = field(default_factory=dict)  # one-character printable tokens
 
     @classmethod
     def from_texts(cls, texts: Sequence[str], vocab: int, eos: int | None) -> FinishClasses:
         closes, bracket, quote, opens = (torch.zeros(vocab, dtype=torch.bool) for _ in range(4))
+        chars: dict[str, int] = {}
         for i, text in enumerate(texts[:vocab]):
-            chars = set(text)
-            if chars and chars <= _CLOSERS:
+            if len(text) == 1 and " " <= text <= "~":
+                chars.setdefault(text, i)
+            kinds = set(text)
+            if kinds and kinds <= _CLOSERS:
                 closes[i] = True
-                bracket[i] = bool(chars - {'"'})
+                bracket[i] = bool(kinds - {'"'})
                 quote[i] = text[0] == '"'
-            opens[i] = not chars.isdisjoint(_OPENERS)
+            opens[i] = not kinds.isdisjoint(_OPENERS)
         eos = eos if eos is not None and 0 <= eos < vocab else None
-        return cls(list(texts[:vocab]), closes, bracket, quote, opens, eos)
+        return cls(list(texts[:vocab]), closes, bracket, quote, opens, eos, chars)
+
+
+def pattern_chars(schema: Any) -> str:
+    """The punctuation of every ``pattern`` in a JSON Schema (where a pattern wants an ``@``
+    or two ``:``, those are the characters that let a string end)."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "pattern" and isinstance(value, str):
+                    found.update(c for c in value if "!" <= c <= "~" and not c.isalnum())
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            return ""
+    walk(schema)
+    return "".join(sorted(found - set('"\\')))
+
+
+def string_exit(
+    matcher: Any, classes: FinishClasses, alphabet: str, depth: int = _EXIT_DEPTH
+) -> int | None:
+    """The first token of the shortest run of at most ``depth`` one-character tokens from
+    ``alphabet`` after which the grammar lets a quote end the current string (a ``pattern``
+    may forbid ending it yet: ``^[^:]+:[^:]+:[^:]+$`` needs two more ``:``), or None. Checked
+    with llguidance's ``validate_tokens``, which computes no masks."""
+    quote = classes.chars.get('"')
+    ids = list(dict.fromkeys(classes.chars[c] for c in alphabet if c in classes.chars))
+    if quote is None:
+        return None
+    frontier: list[list[int]] = [[]]
+    for _ in range(depth):
+        grown = []
+        for path in frontier:
+            for c in ids:
+                run = [*path, c]
+                if matcher.validate_tokens(run) < len(run):
+                    continue
+                if matcher.validate_tokens([*run, quote]) == len(run) + 1:
+                    return run[0]
+                grown.append(run)
+        frontier = grown
+    return None
 
 
 @dataclass(slots=True)
@@ -394,13 +453,22 @@ def in_finish_window(request: Any, classes: FinishClasses) -> bool:
     return state is not None and room <= so.finish_reserve + state.depth
 
 
-def _finishing_tiers(request: Any, classes: FinishClasses) -> list[torch.Tensor]:
-    """Token classes in the order ``steer_to_finish`` prefers them for ``request``."""
+def _finishing_tiers(
+    request: Any, classes: FinishClasses, allowed: torch.Tensor
+) -> list[torch.Tensor]:
+    """Token classes in the order ``steer_to_finish`` prefers them for ``request``, whose
+    grammar ``allowed`` [V] tokens."""
     state = json_state(request, classes)
     if state is None or state.escaped:
         return []  # other grammars: only the end itself is known
-    if state.in_string:  # a closing quote, with what it may close after it
-        return [classes.quote_first]
+    if state.in_string:  # a closing quote, with what it may close after it; else the way to one
+        quote = classes.quote_first.to(allowed.device)
+        if bool((allowed & quote).any()) or request.grammar is None:
+            return [quote]
+        so = request.sampling_params.structured_outputs
+        alphabet = _EXIT_CHARS + (pattern_chars(so.json) if so.json is not None else "")
+        exit_ = string_exit(request.grammar, classes, alphabet)
+        return [] if exit_ is None else [torch.arange(len(allowed), device=allowed.device) == exit_]
     # close an array or object; else a quote (a key or value the grammar requires); else
     # anything that opens nothing new
     tiers = [classes.closes_bracket, classes.closes, ~classes.opens]
@@ -416,7 +484,8 @@ def steer_to_finish(allowed: torch.Tensor, requests: list, classes: FinishClasse
     """Of the tokens ``allowed`` [R, V] by each row's grammar, the ones that end the output
     soonest (rows are requests in their ``finish_reserve`` window): EOS where the grammar is
     complete; for JSON, the first non-empty class of ``_finishing_tiers`` (inside a string a
-    closing quote; outside, a closing bracket, then a quote, then what opens nothing); else
+    closing quote, or the first step of ``string_exit``; outside, a closing bracket, then a
+    quote, then what opens nothing); else
     all allowed. The model picks among them, so required keys and values still come from it.
     Requests whose choice this narrows are marked ``finish_steered`` (they finish with
     ``length``: shortened by the budget, not ended by the model)."""
@@ -433,7 +502,7 @@ def steer_to_finish(allowed: torch.Tensor, requests: list, classes: FinishClasse
             pick[eos] = True
         else:
             pick = ok
-            for tier in _finishing_tiers(req, classes):
+            for tier in _finishing_tiers(req, classes, ok):
                 narrowed = ok & tier.to(ok.device)
                 if bool(narrowed.any()):
                     pick = narrowed
