@@ -54,7 +54,7 @@ class Request:
     grammar: Any = None
     # Set when ``structured_outputs.finish_reserve`` narrowed a token choice to end sooner.
     finish_steered: bool = False
-    finish_scan: Any = None  # structured_outputs.JsonScan of the output so far, when steered
+    finish_scan: Any = None  # structured_finish.JsonScan of the output so far, when steered
     # Speculative decoding: tokens proposed to follow ``all_token_ids`` (verified next step),
     # with the ``[k, V]`` distribution a draft model sampled them from (None: drafted
     # deterministically, e.g. n-gram lookup or greedy). Counters: drafts proposed / accepted.

@@ -238,7 +238,7 @@ def test_real_schemas_all_validate(llm):
 
 
 def test_scan_json():
-    from fastforward.structured_outputs import JsonScan, scan_json
+    from fastforward.structured_finish import JsonScan, scan_json
 
     assert scan_json('{"a": "b') == JsonScan(in_string=True, depth=1)
     assert scan_json('{"a": ["b"') == JsonScan(in_string=False, depth=2)
@@ -253,7 +253,7 @@ def test_scan_json():
 def test_steer_to_finish_prefers_the_shortest_way_out():
     from types import SimpleNamespace
 
-    from fastforward.structured_outputs import FinishClasses, steer_to_finish
+    from fastforward.structured_finish import FinishClasses, steer_to_finish
 
     texts = ["<eos>", '"', "]", "}", '"}', "abc", "{", ",", "7", '"]}', "["]
     classes = FinishClasses.from_texts(texts, len(texts), eos=0)
@@ -301,7 +301,7 @@ def test_steer_to_finish_prefers_the_shortest_way_out():
 def test_finish_window_opens_early_when_deep():
     from types import SimpleNamespace
 
-    from fastforward.structured_outputs import FinishClasses, in_finish_window
+    from fastforward.structured_finish import FinishClasses, in_finish_window
 
     texts = ['{"a": [', "1", ", ", "]", "}"]
     classes = FinishClasses.from_texts(texts, len(texts), eos=None)
@@ -332,7 +332,7 @@ def test_finish_window_opens_early_when_deep():
 
 
 def test_pattern_chars():
-    from fastforward.structured_outputs import pattern_chars
+    from fastforward.structured_finish import pattern_chars
 
     schema = {"properties": {"a": {"pattern": "^[^@]+@x$"}, "b": [{"pattern": "a:b"}]}}
     assert pattern_chars(schema) == "$+:@[]^"
