@@ -8,7 +8,9 @@ the output soonest; the model still picks among them. ``docs/structured.md`` has
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +23,7 @@ _NUMBER_CHARS = "-+.eE0123456789"
 _NUMBER_FREE = 16  # characters of a number literal before steering cuts it (float64 digits)
 # A way out of a string that a pattern holds open is searched among runs of at most this many
 # one-character tokens, drawn from the schema's patterns' own characters and these
-_EXIT_DEPTH = 4
+_EXIT_DEPTH = 2
 _EXIT_CHARS = "a0A@:-./_"
 
 
@@ -39,6 +41,17 @@ class FinishClasses:
     opens: torch.Tensor
     eos: int | None
     chars: dict[str, int] = field(default_factory=dict)  # one-character printable tokens
+    _by_text: dict[str, list[int]] | None = field(default=None, repr=False)
+
+    def tokens_spelling(self, text: str) -> list[list[int]]:
+        """Ids of the tokens whose text is a non-empty beginning of ``text``, by its length
+        (shortest first; lengths no token spells are left out)."""
+        if self._by_text is None:
+            self._by_text = {}
+            for i, t in enumerate(self.texts):
+                self._by_text.setdefault(t, []).append(i)
+        spelt = (self._by_text.get(text[:k]) for k in range(1, len(text) + 1))
+        return [ids for ids in spelt if ids]
 
     @classmethod
     def from_texts(cls, texts: Sequence[str], vocab: int, eos: int | None) -> FinishClasses:
@@ -57,16 +70,15 @@ class FinishClasses:
         return cls(list(texts[:vocab]), closes, bracket, quote, opens, eos, chars)
 
 
-def pattern_chars(schema: Any) -> str:
-    """The punctuation of every ``pattern`` in a JSON Schema (where a pattern wants an ``@``
-    or two ``:``, those are the characters that let a string end)."""
-    found: set[str] = set()
+def schema_patterns(schema: Any) -> list[str]:
+    """Every ``pattern`` of a JSON Schema (a dict, or its JSON text)."""
+    found: list[str] = []
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
                 if key == "pattern" and isinstance(value, str):
-                    found.update(c for c in value if "!" <= c <= "~" and not c.isalnum())
+                    found.append(value)
                 else:
                     walk(value)
         elif isinstance(node, list):
@@ -77,34 +89,121 @@ def pattern_chars(schema: Any) -> str:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError:
-            return ""
+            return []
     walk(schema)
-    return "".join(sorted(found - set('"\\')))
+    return list(dict.fromkeys(found))
 
 
-def string_exit(
-    matcher: Any, classes: FinishClasses, alphabet: str, depth: int = _EXIT_DEPTH
-) -> int | None:
-    """The first token of the shortest run of at most ``depth`` one-character tokens from
-    ``alphabet`` after which the grammar lets a quote end the current string (a ``pattern``
-    may forbid ending it yet: ``^[^:]+:[^:]+:[^:]+$`` needs two more ``:``), or None. Checked
-    with llguidance's ``validate_tokens``, which computes no masks."""
+_SAMPLE_CHARS = "a0A_-.:/@ " + "".join(chr(c) for c in range(33, 127))
+
+
+@functools.lru_cache(maxsize=1024)
+def shortest_match(pattern: str) -> str | None:
+    """A shortest string ``pattern`` matches (a character class gives its first member of
+    ``_SAMPLE_CHARS``, a branch its shortest alternative, a repeat its minimum), or None for
+    what this does not model (lookarounds, back-references) and for samples that would need
+    a quote or backslash (escapes in JSON)."""
+    from re import _constants as c
+    from re import _parser as sre
+
+    def member(items: list, ch: str) -> bool:
+        negate = bool(items) and items[0][0] == c.NEGATE
+        code, hit = ord(ch), False
+        for op, arg in items[1:] if negate else items:
+            if op == c.LITERAL:
+                hit = hit or code == arg
+            elif op == c.RANGE:
+                hit = hit or arg[0] <= code <= arg[1]
+            elif op == c.CATEGORY:
+                hit = hit or bool(re.fullmatch(_CATEGORIES.get(str(arg), "(?!)"), ch))
+        return hit != negate
+
+    def sample(items: Any) -> str | None:
+        out = []
+        for op, arg in items:
+            if op == c.LITERAL:
+                part = chr(arg)
+            elif op == c.NOT_LITERAL:
+                part = next(ch for ch in _SAMPLE_CHARS if ord(ch) != arg)
+            elif op == c.ANY:
+                part = "a"
+            elif op == c.IN:
+                part = next((ch for ch in _SAMPLE_CHARS if member(arg, ch)), None)
+            elif op == c.BRANCH:
+                alts = [a for a in (sample(b) for b in arg[1]) if a is not None]
+                part = min(alts, key=len) if alts else None
+            elif op == c.SUBPATTERN:
+                part = sample(arg[-1])
+            elif op in (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT):
+                one = sample(arg[2])
+                part = None if one is None else one * arg[0]
+            elif op == c.ATOMIC_GROUP:
+                part = sample(arg)
+            elif op == c.AT:
+                part = ""
+            else:
+                part = None
+            if part is None:
+                return None
+            out.append(part)
+        return "".join(out)
+
+    try:
+        text = sample(sre.parse(pattern))
+    except (re.error, RecursionError, StopIteration, TypeError, ValueError):
+        return None
+    if text is None or '"' in text or "\\" in text:
+        return None
+    return text
+
+
+_CATEGORIES = {
+    "CATEGORY_DIGIT": r"\d",
+    "CATEGORY_NOT_DIGIT": r"\D",
+    "CATEGORY_SPACE": r"\s",
+    "CATEGORY_NOT_SPACE": r"\S",
+    "CATEGORY_WORD": r"\w",
+    "CATEGORY_NOT_WORD": r"\W",
+}
+
+
+def string_exit(matcher: Any, classes: FinishClasses, patterns: Sequence[str]) -> str | None:
+    """The shortest text after which the grammar lets a quote end the current string, which a
+    ``pattern`` holds open (``^[^:]+:[^:]+$`` before any ``:``; an unanchored
+    ``https://orcid\\.org/...`` anywhere in it), or None. Candidates: every one or two
+    characters of ``_EXIT_CHARS`` and the patterns' punctuation, and every tail of each
+    pattern's ``shortest_match``; spelt in one-character tokens and checked with llguidance's
+    ``validate_tokens``, which computes no masks."""
     quote = classes.chars.get('"')
-    ids = list(dict.fromkeys(classes.chars[c] for c in alphabet if c in classes.chars))
     if quote is None:
         return None
-    frontier: list[list[int]] = [[]]
-    for _ in range(depth):
+    punctuation = {ch for p in patterns for ch in p if "!" <= ch <= "~" and not ch.isalnum()}
+    alphabet = [
+        ch
+        for ch in dict.fromkeys(_EXIT_CHARS + "".join(sorted(punctuation)))
+        if ch in classes.chars and ch not in '"\\'
+    ]
+
+    def exits(text: str) -> bool:
+        run = [classes.chars[ch] for ch in text]
+        return matcher.validate_tokens([*run, quote]) == len(run) + 1
+
+    frontier = [""]
+    for _ in range(_EXIT_DEPTH):
         grown = []
         for path in frontier:
-            for c in ids:
-                run = [*path, c]
-                if matcher.validate_tokens(run) < len(run):
-                    continue
-                if matcher.validate_tokens([*run, quote]) == len(run) + 1:
-                    return run[0]
-                grown.append(run)
+            for ch in alphabet:
+                text = path + ch
+                run = [classes.chars[c] for c in text]
+                if matcher.validate_tokens(run) == len(run):
+                    if exits(text):
+                        return text
+                    grown.append(text)
         frontier = grown
+    tails = {t[i:] for t in map(shortest_match, patterns) if t for i in range(len(t))}
+    for tail in sorted(tails, key=len):
+        if all(ch in classes.chars for ch in tail) and exits(tail):
+            return tail
     return None
 
 
@@ -190,9 +289,16 @@ def _finishing_tiers(
         if bool((allowed & quote).any()) or request.grammar is None:
             return [quote]
         so = request.sampling_params.structured_outputs
-        alphabet = _EXIT_CHARS + (pattern_chars(so.json) if so.json is not None else "")
-        exit_ = string_exit(request.grammar, classes, alphabet)
-        return [] if exit_ is None else [torch.arange(len(allowed), device=allowed.device) == exit_]
+        way = string_exit(request.grammar, classes, schema_patterns(so.json))
+        if way is None:
+            return []
+        # the longest token that spells a beginning of the way out and the grammar allows
+        tiers = []
+        for ids in reversed(classes.tokens_spelling(way)):
+            tier = torch.zeros_like(allowed)
+            tier[ids] = True
+            tiers.append(tier)
+        return tiers
     # close an array or object; else a quote (a key or value the grammar requires); else
     # anything that opens nothing new
     tiers = [classes.closes_bracket, classes.closes, ~classes.opens]

@@ -331,13 +331,24 @@ def test_finish_window_opens_early_when_deep():
     assert req.finish_scan.depth == 8 and req.finish_scan.tokens == 8
 
 
-def test_pattern_chars():
-    from fastforward.structured_finish import pattern_chars
+def test_shortest_match_of_schema_patterns():
+    from fastforward.structured_finish import schema_patterns, shortest_match
 
     schema = {"properties": {"a": {"pattern": "^[^@]+@x$"}, "b": [{"pattern": "a:b"}]}}
-    assert pattern_chars(schema) == "$+:@[]^"
-    assert pattern_chars(json.dumps(schema)) == "$+:@[]^"
-    assert pattern_chars({"type": "string"}) == ""
+    assert schema_patterns(schema) == schema_patterns(json.dumps(schema)) == ["^[^@]+@x$", "a:b"]
+    cases = {
+        r"^[\S]+@[\S]+\.[\S]{2,}$": "a@a.aa",
+        r"https://orcid\.org/[0-9]{4}-[0-9]{3}[0-9X]": "https://orcid.org/0000-0000",
+        r"^(https|http|ftp)://.+": "ftp://a",
+        r"^[^:]+:[^:]+$": "a:a",
+        r"^\d{2}-[^\d]?(x|yz)*$": "00-",
+        r"(?=a)b": None,  # lookarounds are not modelled
+        r'a"b': None,  # a quote would need escaping in JSON
+    }
+    for pattern, sample in cases.items():
+        assert shortest_match(pattern) == sample, pattern
+        if sample is not None:
+            assert re.search(pattern, sample)
 
 
 def test_finish_reserve_validation():
@@ -392,20 +403,24 @@ def test_finish_reserve_ends_cut_outputs_in_valid_json(llm):
 
 
 def test_finish_reserve_finds_the_way_out_of_a_pattern(llm):
-    """A string whose pattern needs two more ':' and a character after each cannot simply be
-    closed: the steering writes the shortest run of characters that lets it end."""
-    schema = {
-        "type": "object",
-        "properties": {"import": {"type": "string", "pattern": "^[^:]+:[^:]+:[^:]+$"}},
-        "required": ["import"],
-    }
+    """A string a pattern holds open cannot simply be closed: the steering spells the shortest
+    way out (two more ':' and a character after each; an ORCID URL the unanchored pattern
+    wants somewhere in the string), and the output validates."""
     prompt = "Explain in a long essay what a pipeline import is, as JSON:"
-    outs = {}
-    for reserve in (0, 8):
-        so = StructuredOutputsParams(json=schema, finish_reserve=reserve)
-        params = SamplingParams(max_tokens=24, temperature=0, structured_outputs=so)
-        outs[reserve] = llm.generate(prompt, params)[0].outputs[0]
-    assert ":" not in outs[0].text[11:] and outs[0].finish_reason == "length"  # held open, cut
-    value = json.loads(outs[8].text)["import"]
-    jsonschema.validate({"import": value}, schema)
-    assert outs[8].token_ids[:14] == outs[0].token_ids[:14]  # the window: 8 + 1 open object
+    for pattern, reserve in (("^[^:]+:[^:]+:[^:]+$", 8), ("https://orcid\\.org/[0-9]{4}", 16)):
+        schema = {
+            "type": "object",
+            "properties": {"import": {"type": "string", "pattern": pattern}},
+            "required": ["import"],
+        }
+        outs = {}
+        for r in (0, reserve):
+            so = StructuredOutputsParams(json=schema, finish_reserve=r)
+            params = SamplingParams(max_tokens=40, temperature=0, structured_outputs=so)
+            outs[r] = llm.generate(prompt, params)[0].outputs[0]
+        assert outs[0].finish_reason == "length"  # held open, cut
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(outs[0].text)
+        jsonschema.validate(json.loads(outs[reserve].text), schema)
+        window = 40 - reserve - 1  # the reserve and one open object
+        assert outs[reserve].token_ids[:window] == outs[0].token_ids[:window]
