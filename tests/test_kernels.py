@@ -57,14 +57,18 @@ needs_q4 = pytest.mark.skipif(
 @pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 576, 576, 32), (2, 80, 256, 64),
                          (3, 48, 128, 128), (4, 1536, 576, 32), (5, 16, 64, 32), (9, 96, 384, 64)])  # fmt: skip
 @pytest.mark.parametrize("zeros", [True, False])
-def test_linear_q4_matches_dense(m, n, k, group, zeros):
-    """Rows in blocks of 1-4 and tiles in blocks of 4 with tails; the table (int4 levels or
-    codebook centroids), scales and zeros against a float64 matmul of the expanded weight."""
+@pytest.mark.parametrize("levels", ["int4", "centroids"])
+def test_linear_q4_matches_dense(m, n, k, group, zeros, levels):
+    """Rows in blocks of 1-4 and tiles in blocks of 4 with tails; the table (int4 levels, which
+    the kernel builds by bit logic, or codebook centroids, looked up), scales and zeros against
+    a float64 matmul of the expanded weight."""
     from fastforward.quant import q4pack
 
     gen = torch.Generator().manual_seed(m * n + k)
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     table = (torch.randn(16, generator=gen) * 4).to(torch.bfloat16)
+    if levels == "int4":
+        table = (torch.arange(16) - 8).to(torch.bfloat16)
     s = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01).to(torch.bfloat16)
     z = (torch.randn(n, k // group, generator=gen) * 0.05).to(torch.bfloat16)
     w = table.double()[codes.long()].view(n, -1, group) * s.double()[..., None]

@@ -50,10 +50,19 @@ inline __m512i splat_pair(const uint16_t* p) {  // (p[0], p[1]) in every 32-bit 
   return _mm512_set1_epi32(v);
 }
 
+// The int4 table (code - 8) needs no lookup: with exponent 2^7, a bf16 whose 7 mantissa bits
+// hold the code is exactly 128 + code, so one ternary-logic op per 32 codes ((b & 15) | 0x4300)
+// gives the weights, offset by 136, on either vector port (vpermw takes the shuffle port only,
+// which Intel cores share with the zero-extension: ~20% at one row there). The offset comes
+// back out with the group's sum of x: y += s * d' + (z - 136 s) * sum(x), with d' = sum of x *
+// (128 + code). The cancellation costs ~136/8 times fp32's rounding of the dot product, far
+// under the bf16 rounding of the output.
+constexpr float kOffset = 136.f;
+
 // MR rows x NT tiles from tile t0. One row keeps the low and high halves of each quad in two
 // dot-product chains (8 chains with NT = 4) to cover vdpbf16ps's latency; more rows have
-// MR x NT independent chains already.
-template <int MR, int NT>
+// MR x NT independent chains already. OFF: the int4 table, built by bit logic (above).
+template <int MR, int NT, bool OFF>
 void block(const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, int C,
            const float* sx, int64_t G, int64_t quads_per_group, __m512i table, int64_t t0,
            uint16_t* y, int64_t N) {
@@ -86,10 +95,17 @@ void block(const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, i
         const __m256i bytes =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + t * tile_bytes + q * QUAD_BYTES));
         const __m512i b = _mm512_cvtepu8_epi16(bytes);
-        // vpermw reads index bits 0-4: bit 4 (the high nibble's lowest) picks between two
-        // equal halves of the 32-entry table, so the low nibble needs no mask.
-        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(b, table);
-        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+        __m512bh lo, hi;
+        if constexpr (OFF) {
+          const __m512i nib = _mm512_set1_epi16(0x000f), exp7 = _mm512_set1_epi16(0x4300);
+          lo = (__m512bh)_mm512_ternarylogic_epi32(b, nib, exp7, 0xEA);  // (b & nib) | exp7
+          hi = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), nib, exp7, 0xEA);
+        } else {
+          // vpermw reads index bits 0-4: bit 4 (the high nibble's lowest) picks between two
+          // equal halves of the 32-entry table, so the low nibble needs no mask.
+          lo = (__m512bh)_mm512_permutexvar_epi16(b, table);
+          hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+        }
 #pragma GCC unroll 4
         for (int m = 0; m < MR; ++m) {
           dl[m][t] = _mm512_dpbf16_ps(dl[m][t], (__m512bh)xl[m], lo);
@@ -102,12 +118,14 @@ void block(const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, i
     for (int t = 0; t < NT; ++t) {
       const uint16_t* st = sz + ((t0 + t) * G + g) * C * TILE;
       const __m512 s = load_bf16x16(st);
-      const __m512 z = C == 2 ? load_bf16x16(st + TILE) : _mm512_setzero_ps();
+      __m512 z = C == 2 ? load_bf16x16(st + TILE) : _mm512_setzero_ps();
+      if constexpr (OFF) z = _mm512_fnmadd_ps(_mm512_set1_ps(kOffset), s, z);  // z - 136 s
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
         const __m512 d = SPLIT ? _mm512_add_ps(dl[m][t], dh[m][t]) : dl[m][t];
         acc[m][t] = _mm512_fmadd_ps(s, d, acc[m][t]);
-        if (C == 2) acc[m][t] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[m * G + g]), acc[m][t]);
+        if (OFF || C == 2)
+          acc[m][t] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[m * G + g]), acc[m][t]);
       }
     }
   }
@@ -120,17 +138,25 @@ void block(const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, i
     }
 }
 
-template <int NT>
-void rows(int r, const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, int C,
-          const float* sx, int64_t G, int64_t qpg, __m512i table, int64_t t0, uint16_t* y,
-          int64_t N) {
+template <int NT, bool OFF>
+void rows_of(int r, const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, int C,
+             const float* sx, int64_t G, int64_t qpg, __m512i table, int64_t t0, uint16_t* y,
+             int64_t N) {
   switch (r) {
-    case 1: return block<1, NT>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
-    case 2: return block<2, NT>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
-    case 3: return block<3, NT>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
-    case 4: return block<4, NT>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
+    case 1: return block<1, NT, OFF>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
+    case 2: return block<2, NT, OFF>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
+    case 3: return block<3, NT, OFF>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
+    case 4: return block<4, NT, OFF>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
     default: TORCH_CHECK(false, "bad row block ", r);
   }
+}
+
+template <int NT>
+void rows(bool off, int r, const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz,
+          int C, const float* sx, int64_t G, int64_t qpg, __m512i table, int64_t t0, uint16_t* y,
+          int64_t N) {
+  if (off) return rows_of<NT, true>(r, x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
+  rows_of<NT, false>(r, x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
 }
 
 }  // namespace
@@ -163,19 +189,22 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
   if (M == 0) return y.view(out_sizes);
   const int C = int(sz.size(2));
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  // Per row and group, the sum of x (the zeros' term).
-  std::vector<float> sx(C == 2 ? M * G : 0);
-  for (int64_t m = 0; m < (C == 2 ? M : 0); ++m)
+  auto tc = table.contiguous();
+  alignas(64) uint16_t tab[32];
+  std::memcpy(tab, tc.data_ptr(), 32);
+  std::memcpy(tab + 16, tc.data_ptr(), 32);
+  bool off = true;  // the int4 table, code - 8: built by bit logic instead of looked up
+  for (int c = 0; c < 16; ++c) off = off && bf16_to_float(tab[c]) == float(c - 8);
+  // Per row and group, the sum of x (the zeros' term, and the offset's).
+  const bool need_sx = C == 2 || off;
+  std::vector<float> sx(need_sx ? M * G : 0);
+  for (int64_t m = 0; m < (need_sx ? M : 0); ++m)
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.f;
       for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k)
         s += bf16_to_float(xp[m * K + k]);
       sx[m * G + g] = s;
     }
-  auto tc = table.contiguous();
-  alignas(64) uint16_t tab[32];
-  std::memcpy(tab, tc.data_ptr(), 32);
-  std::memcpy(tab + 16, tc.data_ptr(), 32);
   const __m512i tv = _mm512_load_si512(tab);
   const auto* wp = wq.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
@@ -193,13 +222,13 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
         const uint16_t* xm = xp + m0 * K;
         uint16_t* ym = yp + m0 * N;
         if (nt == NT && r <= 2) {
-          rows<4>(r, xm, K, wp, sp, C, sxm, G, group_size / 4, tv, t0, ym, N);
+          rows<4>(off, r, xm, K, wp, sp, C, sxm, G, group_size / 4, tv, t0, ym, N);
         } else if (nt == NT) {  // 3-4 rows: two tiles at a time
-          rows<2>(r, xm, K, wp, sp, C, sxm, G, group_size / 4, tv, t0, ym, N);
-          rows<2>(r, xm, K, wp, sp, C, sxm, G, group_size / 4, tv, t0 + 2, ym, N);
+          rows<2>(off, r, xm, K, wp, sp, C, sxm, G, group_size / 4, tv, t0, ym, N);
+          rows<2>(off, r, xm, K, wp, sp, C, sxm, G, group_size / 4, tv, t0 + 2, ym, N);
         } else {
           for (int t = 0; t < nt; ++t)
-            rows<1>(r, xm, K, wp, sp, C, sxm, G, group_size / 4, tv, t0 + t, ym, N);
+            rows<1>(off, r, xm, K, wp, sp, C, sxm, G, group_size / 4, tv, t0 + t, ym, N);
         }
       }
     }
