@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fastforward import kernels
-from fastforward.kernels.linear import PackedLinear
+from fastforward.kernels.linear import PackedLinear, onednn_prepack
 from fastforward.layers.activation import GatedActivation
 from fastforward.layers.attention import Attention
 from fastforward.layers.norm import RMSNorm
@@ -37,6 +37,17 @@ class KernelReport:
     attention_layers: int = 0
     quantized: list[str] = field(default_factory=list)  # 4-bit layers on linear_q4
     reason: str = ""  # why the native kernels are not used, when they are not
+
+
+def sdpa_has_amx() -> bool:
+    """Whether PyTorch's own attention (SDPA's flash kernel, oneDNN brgemm underneath) has AMX
+    tiles to run on. There it beats our vdpbf16ps kernel on long query runs by 3.5-5x (an AMX
+    Xeon, 2 threads, SmolLM2's heads: one layer's 512-token prefill 1.0 ms against 5.1 ms, 2,048
+    tokens 9.7 against 83 ms; 512-token prefill end to end 1,836 -> 2,967 tok/s in
+    bench_cpu.py, a 4,000-token one 451 -> 1,599), so prefills go to SDPA and the kernel keeps
+    decode and short query runs. Without AMX our kernel is the faster one (docs/cpu.md)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
 
 
 def cpu_has_native_bf16() -> bool:
@@ -86,7 +97,11 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
     if dtype not in (torch.float32, torch.bfloat16):
         report.reason = f"no native kernels for {dtype}"
         return report
-    long_queries = dtype == torch.bfloat16 and kernels.ops().paged_attention_bf16_native()
+    long_queries = (
+        dtype == torch.bfloat16
+        and kernels.ops().paged_attention_bf16_native()
+        and not sdpa_has_amx()
+    )
     for module in model.modules():
         if isinstance(module, Attention | RMSNorm | GatedActivation | RotaryEmbedding):
             module.use_kernel = True
@@ -119,5 +134,6 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
         )
         if native_bf16:
             model.lm_head.dense = embed.weight
+            model.lm_head.onednn = onednn_prepack(embed.weight.detach().to(torch.bfloat16))
         report.linears.append("lm_head (tied)")
     return report

@@ -6,6 +6,7 @@
 // path stays the reference and the fallback for what this does not cover (prefills longer than
 // the attention kernel takes, q/k norms, calibrated key scales, other weight formats).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -22,10 +23,22 @@ enum LinearKind : int64_t {
   kDense = 3,  // a plain weight in the activations' dtype (nn.Linear: float32 engines)
 };
 
+// x @ W^T through oneDNN with W already in its blocked layout (mkldnn::_reorder_linear_weight,
+// kernels/linear.py): the same numbers as at::linear on the plain weight, without reordering
+// the weight on every call.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 struct Linear {
   int64_t kind = kBf16;
   at::Tensor w;      // packed weight / codes
-  at::Tensor aux;    // dense bf16 copy (kBf16, may be undefined), scales (kQ4, kInt8)
+  at::Tensor aux;    // dense or oneDNN-blocked bf16 copy (kBf16, may be undefined), scales
   at::Tensor table;  // kQ4: the 16 levels
   int64_t n = 0;     // output features
   int64_t group = 0;
@@ -37,7 +50,8 @@ struct Linear {
     if (kind == kDense) return at::linear(x, w, bias);
     if (kind == kBf16) {
       if (!aux.defined() || rows <= rows_max) return linear_bf16(x, w, n, bias);
-      auto y = at::linear(x.to(at::kBFloat16), aux);
+      auto y = aux.is_mkldnn() ? onednn_linear(x.to(at::kBFloat16), aux)
+                               : at::linear(x.to(at::kBFloat16), aux);
       if (bias) y = y + *bias;
       return y.to(x.scalar_type());
     }
