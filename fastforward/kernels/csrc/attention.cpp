@@ -383,25 +383,33 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
       transpose16(tile);
       for (int i = 0; i < 16 && 16 * c + i < P; ++i) kt[16 * c + i] = tile[i];
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      if (!seen[r]) continue;
-      const int64_t rlo = std::max(st.lo[r], s0), rhi = std::min(st.hi[r], s1);
-      __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                     _mm512_setzero_ps()};
-      int pi = 0;
-      for (; pi + 4 <= P; pi += 4)
-        for (int u = 0; u < 4; ++u)
-          a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)_mm512_set1_epi32(int(qp[r][pi + u])),
-                                  (__m512bh)kt[pi + u]);
-      for (; pi < P; ++pi)
-        a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)_mm512_set1_epi32(int(qp[r][pi])),
-                                (__m512bh)kt[pi]);
-      const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-      vf sc = reinterpret_cast<const vf&>(sum) * g.scale;
-      if (g.softcap > 0.f) {
-        for (int j = 0; j < VL; ++j) sc[j] = g.softcap * std::tanh(sc[j] / g.softcap);
+    // Scores: rows in groups of up to 4, two chains each over the dimension pairs (8
+    // independent chains, each key pair read once for the group). Sums in the same order as
+    // one row alone: chain 0 takes the even pairs, chain 1 the odd ones.
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int nr = int(std::min<int64_t>(4, rows - r0));
+      __m512 a[4][2];
+      for (int u = 0; u < 4; ++u) a[u][0] = a[u][1] = _mm512_setzero_ps();
+      for (int pi = 0; pi < P; ++pi) {
+        const __m512bh k = (__m512bh)kt[pi];
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+          if (u >= nr) break;
+          a[u][pi & 1] = _mm512_dpbf16_ps(
+              a[u][pi & 1], (__m512bh)_mm512_set1_epi32(int(qp[r0 + u][pi])), k);
+        }
       }
-      store(p[r], st.update(r, sc, s0, rlo, rhi, acc[r], 32 * C, to_bf16));
+      for (int u = 0; u < nr; ++u) {
+        const int64_t r = r0 + u;
+        if (!seen[r]) continue;
+        const int64_t rlo = std::max(st.lo[r], s0), rhi = std::min(st.hi[r], s1);
+        const __m512 sum = _mm512_add_ps(a[u][0], a[u][1]);
+        vf sc = reinterpret_cast<const vf&>(sum) * g.scale;
+        if (g.softcap > 0.f) {
+          for (int j = 0; j < VL; ++j) sc[j] = g.softcap * std::tanh(sc[j] / g.softcap);
+        }
+        store(p[r], st.update(r, sc, s0, rlo, rhi, acc[r], 32 * C, to_bf16));
+      }
     }
     const uint16_t* vb = kb + half;
     for (int jp = 0; jp < (n + 1) / 2; ++jp) {
@@ -413,20 +421,34 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
         vt[jp][c][1] = _mm512_unpackhi_epi16(a, b);
       }
     }
+    // Values: rows in groups of up to 4 per 32-dimension chunk, so 8 accumulators (not 2)
+    // are independent dot-product chains over the key pairs; rows that see no key of this
+    // sub-block have weights 0 (adding exact zeros leaves them unchanged).
+    alignas(64) uint32_t pp[ROWS_MAX][VL / 2];  // (p[j], p[j + 1]) as one bf16 pair per row
     for (int64_t r = 0; r < rows; ++r) {
-      if (!seen[r]) continue;
-      alignas(64) uint32_t pp[VL / 2];  // (p[j], p[j + 1]) as one bf16 pair
-      const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p[r]));  // exact now
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pp), pb);
+      const __m512 pr = seen[r] ? _mm512_load_ps(p[r]) : _mm512_setzero_ps();
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(pr));
+    }
+    const int npairs = (n + 1) / 2;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int nr = int(std::min<int64_t>(4, rows - r0));
       for (int c = 0; c < C; ++c) {
-        __m512 a0 = _mm512_load_ps(acc[r] + 32 * c), a1 = _mm512_load_ps(acc[r] + 32 * c + 16);
-        for (int jp = 0; jp < (n + 1) / 2; ++jp) {
-          const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pp[jp]));
-          a0 = _mm512_dpbf16_ps(a0, w, (__m512bh)vt[jp][c][0]);
-          a1 = _mm512_dpbf16_ps(a1, w, (__m512bh)vt[jp][c][1]);
+        __m512 a[4][2];
+        for (int u = 0; u < 4; ++u)
+          for (int h = 0; h < 2; ++h)
+            a[u][h] = u < nr ? _mm512_load_ps(acc[r0 + u] + 32 * c + 16 * h) : _mm512_setzero_ps();
+        for (int jp = 0; jp < npairs; ++jp) {
+          const __m512bh v0 = (__m512bh)vt[jp][c][0], v1 = (__m512bh)vt[jp][c][1];
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) {
+            if (u >= nr) break;
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pp[r0 + u][jp]));
+            a[u][0] = _mm512_dpbf16_ps(a[u][0], w, v0);
+            a[u][1] = _mm512_dpbf16_ps(a[u][1], w, v1);
+          }
         }
-        _mm512_store_ps(acc[r] + 32 * c, a0);
-        _mm512_store_ps(acc[r] + 32 * c + 16, a1);
+        for (int u = 0; u < nr; ++u)
+          for (int h = 0; h < 2; ++h) _mm512_store_ps(acc[r0 + u] + 32 * c + 16 * h, a[u][h]);
       }
     }
     s0 = s1;
