@@ -33,6 +33,28 @@ def test_linear_bf16_matches_dense(dtype, m, k, n, bias):
     torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * k**0.5)
 
 
+@pytest.mark.parametrize("rows", [9, 64])
+def test_packed_linear_large_batches_take_onednn_with_the_dense_numbers(rows):
+    """Above ``packed_rows_max`` rows a PackedLinear multiplies through oneDNN from a weight
+    prepacked in its blocked layout (where PyTorch has oneDNN): the same numbers as
+    ``F.linear`` on the plain bf16 weight, in 3-D too, and no dense copy is kept for it."""
+    import torch.nn.functional as F
+
+    from fastforward.kernels.linear import PackedLinear
+
+    torch.manual_seed(rows)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    lin = PackedLinear(w, b, None, keep_dense=True, packed_rows_max=8)
+    if lin.onednn is None:
+        pytest.skip("this PyTorch has no oneDNN")
+    assert lin.dense is None
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    ref = F.linear(x, w.to(torch.bfloat16)) + b
+    assert torch.equal(lin(x), ref.to(torch.bfloat16))
+    assert torch.equal(lin(x.view(1, rows, 64)), lin(x).view(1, rows, 96))
+    assert torch.equal(lin.weight, w.to(torch.bfloat16))  # unpacked from the packed copy
+
+
 @pytest.mark.parametrize(("k", "n"), [(576, 1536), (100, 200), (33, 17)])
 def test_linear_bf16_rows_do_not_depend_on_the_batch(k, n):
     """A row's output is bit-identical alone and in any batch (every block shape sums k in
