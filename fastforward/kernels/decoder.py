@@ -177,11 +177,10 @@ def _add_linear(stack: Any, lin: nn.Module) -> tuple[int, int] | None:
     """Register one linear layer; (its index, the rows its packed kernel takes), or None."""
     if isinstance(lin, PackedLinear):
         index = stack.add_linear(
-            LINEAR_BF16, lin.packed, lin.onednn if lin.onednn is not None else lin.dense,
-            None, lin.out_features, 0,
+            LINEAR_BF16, lin.packed, lin.large_batch_weight, None, lin.out_features, 0,
             lin.packed_rows_max, lin.bias,
         )  # fmt: skip
-        return index, NO_LIMIT  # larger batches take the dense copy inside the stack
+        return index, NO_LIMIT  # larger batches take the large-batch copy inside the stack
     bias = lin.bias
     if type(lin) in (nn.Linear, MergedLinear):  # float32 engines: F.linear, as the module
         return stack.add_linear(LINEAR_DENSE, lin.weight, None, None, 0, 0, 0, bias), NO_LIMIT

@@ -79,13 +79,18 @@ class PackedLinear(nn.Module):
         return kernels.ops().unpack_linear_weight(self.packed, self.out_features)
 
     @property
+    def large_batch_weight(self) -> torch.Tensor | None:
+        """What batches above ``packed_rows_max`` multiply by: the oneDNN-blocked copy, else
+        the dense one (None: the packed kernel serves every batch)."""
+        return self.onednn if self.onednn is not None else self.dense
+
+    @property
     def num_weights(self) -> int:
         return self.in_features * self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        large = self.onednn if self.onednn is not None else self.dense
-        if large is None or rows <= self.packed_rows_max:
+        if self.large_batch_weight is None or rows <= self.packed_rows_max:
             x = x.float() if self.fp32_out else x
             return torch.ops.fastforward.linear_bf16(x, self.packed, self.out_features, self.bias)
         xb = x.to(torch.bfloat16)
