@@ -17,13 +17,35 @@ void rms_rows(const T* x, const WT* w, T* out, int64_t rows, int64_t D, int64_t 
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * stride;
       T* o = out + r * D;
-      float ss = 0.f;
-      for (int64_t i = 0; i < D; ++i) {
+      vf a0{}, a1{};
+      int64_t i = 0;
+      for (; i + 2 * VL <= D; i += 2 * VL) {
+        const vf u = ldv(xr + i), v = ldv(xr + i + VL);
+        a0 += u * u;
+        a1 += v * v;
+      }
+      for (; i + VL <= D; i += VL) {
+        const vf u = ldv(xr + i);
+        a0 += u * u;
+      }
+      float ss = hsum(a0 + a1);
+      for (; i < D; ++i) {
         const float v = ld(xr, i);
         ss += v * v;
       }
       const float inv = 1.f / std::sqrt(ss / float(D) + eps);
-      for (int64_t i = 0; i < D; ++i) {
+      i = 0;
+      for (; i + VL <= D; i += VL) {
+        const vf h = ldv(xr + i) * inv;
+        if (unit_offset) {
+          stv(o + i, h * (1.f + ldv(w + i)));
+        } else if constexpr (std::is_same_v<T, uint16_t>) {
+          stv(o + i, round_bf16(h) * ldv(w + i));
+        } else {
+          stv(o + i, h * ldv(w + i));
+        }
+      }
+      for (; i < D; ++i) {
         const float h = ld(xr, i) * inv;
         if (unit_offset) {
           st(o, i, h * (1.f + ld(w, i)));
@@ -48,7 +70,7 @@ void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t I, bool gelu) {
       if (!gelu) {
         for (; i + VL <= I; i += VL) {
           const vf gv = ldv(g + i);
-          stv(o + i, gv / (1.f + vexp(-gv)) * ldv(u + i));
+          stv(o + i, gv * vrecip(1.f + vexp(-gv)) * ldv(u + i));
         }
       }
       for (; i < I; ++i) {
@@ -125,7 +147,13 @@ void rope_rows(T* x, int64_t Tn, int64_t heads, int64_t ts, int64_t sh, const in
       const float* s = c + half;
       for (int64_t h = 0; h < heads; ++h) {
         T* r = x + t * ts + h * sh;
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+        for (; i + VL <= half; i += VL) {
+          const vf a = ldv(r + i), b = ldv(r + i + half), cv = load(c + i), sv = load(s + i);
+          stv(r + i, a * cv - b * sv);
+          stv(r + i + half, b * cv + a * sv);
+        }
+        for (; i < half; ++i) {
           const float a = ld(r, i), b = ld(r, i + half);
           st(r, i, a * c[i] - b * s[i]);
           st(r, i + half, b * c[i] + a * s[i]);

@@ -75,6 +75,27 @@ inline void store_bf16(uint16_t* p, vf f) {
   *reinterpret_cast<vh_m*>(p) = __builtin_convertvector(out, vh);
 }
 
+// f rounded to bf16 (nearest even, NaN kept quiet), still as fp32: float_to_bf16 lane-wise.
+inline vf round_bf16(vf f) {
+  vu u = reinterpret_cast<vu&>(f);
+  vu rounded = (u + (((u >> 16) & 1u) + 0x7fffu)) & 0xffff0000u;
+  vu nan = reinterpret_cast<vu>(f != f);
+  vu out = (rounded & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan);
+  return reinterpret_cast<vf&>(out);
+}
+
+// 1 / d: AVX-512's 14-bit estimate and one Newton step (relative error ~2^-27, a fraction of
+// an fp32 ulp from the quotient; vdivps costs ~10x the throughput), else the division.
+inline vf vrecip(vf d) {
+#if defined(__AVX512F__)
+  const __m512 r0 = _mm512_rcp14_ps(reinterpret_cast<__m512&>(d));
+  vf r = reinterpret_cast<const vf&>(r0);
+  return r * (splat(2.f) - d * r);
+#else
+  return splat(1.f) / d;
+#endif
+}
+
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
   float f;
