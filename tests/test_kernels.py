@@ -233,6 +233,50 @@ def test_paged_attention_matches_reference(case, q_dtype, kv_dtype, block_size):
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_attention_mixed_step_splits_decode_rows_from_prefill_chunks(monkeypatch, window):
+    """A step with prefill chunks longer than the kernel's limit and decode rows: the chunks go
+    to the reference SDPA path (padded among themselves only), the rest to the kernel, and the
+    output equals the reference path's over the whole step."""
+    import fastforward.layers.attention as attention_module
+    from fastforward.layers.attention import KERNEL_MAX_QUERY_LEN, Attention
+
+    query_lens, context_lens = [1, 40, 3, 1, 25, 1], [90, 0, 16, 7, 30, 200]
+    h, kvh, d, bs = 6, 2, 32, 16
+    cache, meta = _random_batch(query_lens, context_lens, kvh, d, bs, torch.float32, seed=3)
+    table = meta.groups[0].block_tables
+    slots = [
+        int(table[i, p // bs]) * bs + p % bs
+        for i, (ql, c) in enumerate(zip(query_lens, context_lens, strict=True))
+        for p in range(c, c + ql)
+    ]
+    meta.groups[0].slot_mapping = torch.tensor(slots)
+    g = torch.Generator().manual_seed(4)
+    t = sum(query_lens)
+    q, k, v = (torch.randn(t, n, d, generator=g) for n in (h, kvh, kvh))
+
+    def run(use_kernel):
+        layer = Attention(h, kvh, d, d**-0.5, sliding_window=window)
+        layer.kv_cache = cache.clone()
+        layer.use_kernel = use_kernel
+        meta.derived.clear()
+        return layer(q, k, v, meta)
+
+    ref = run(False)
+    seen = []
+    original = attention_module.paged_attention
+
+    def spy(q_part, cache_, meta_part, *args, **kwargs):
+        seen.append(meta_part.query_lens.tolist())
+        return original(q_part, cache_, meta_part, *args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "paged_attention", spy)
+    out = run(True)
+    long_runs = [n for n in query_lens if n > KERNEL_MAX_QUERY_LEN]
+    assert seen == [long_runs]  # the reference path saw only the long runs
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize(
     ("rows", "head_dim", "message"), [(2, 16, "query_start_loc"), (3, 8, "head_dim")]
 )

@@ -43,3 +43,49 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return int(self.query_lens.shape[0])
+
+
+@dataclass(slots=True)
+class BatchPart:
+    """Some of a batch's sequences as a batch of their own: ``rows`` [T'] are their query
+    tokens' rows in the whole batch, ``meta`` their metadata (slot mappings of those rows)."""
+
+    rows: torch.Tensor
+    meta: AttentionMetadata
+
+
+def batch_part(meta: AttentionMetadata, seqs: torch.Tensor) -> BatchPart:
+    """The sequences ``seqs`` [B'] (indices in increasing order) of ``meta`` as a BatchPart."""
+    starts = meta.query_start_loc[:-1][seqs]  # [B']
+    qlens = meta.query_lens[seqs]  # [B']
+    seq_lens = meta.seq_lens[seqs]
+    qsl = torch.zeros(len(seqs) + 1, dtype=meta.query_start_loc.dtype, device=seqs.device)
+    torch.cumsum(qlens, 0, out=qsl[1:])
+    # row of token i of the part: its sequence's start in the batch + its offset in the sequence
+    total = int(qsl[-1])
+    offsets = torch.arange(total, device=seqs.device) - torch.repeat_interleave(qsl[:-1], qlens)
+    rows = torch.repeat_interleave(starts, qlens) + offsets
+    groups = [GroupMetadata(g.block_tables[seqs], g.slot_mapping[rows]) for g in meta.groups]
+    part = AttentionMetadata(
+        query_start_loc=qsl,
+        query_lens=qlens,
+        seq_lens=seq_lens,
+        max_query_len=int(qlens.max()) if len(seqs) else 0,
+        max_seq_len=int(seq_lens.max()) if len(seqs) else 0,
+        block_size=meta.block_size,
+        groups=groups,
+    )
+    return BatchPart(rows, part)
+
+
+def split_by_query_len(
+    meta: AttentionMetadata, max_short: int
+) -> tuple[BatchPart, BatchPart] | None:
+    """The batch's sequences with query runs up to ``max_short`` tokens (decode, short chunks)
+    and the longer ones (prefill chunks), or None when every run is on one side."""
+    short = meta.query_lens <= max_short
+    n_short = int(short.sum())
+    if n_short in (0, meta.num_seqs):
+        return None
+    seqs = torch.arange(meta.num_seqs, device=meta.query_lens.device)
+    return batch_part(meta, seqs[short]), batch_part(meta, seqs[~short])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastforward.attention.metadata import AttentionMetadata
+from fastforward.attention.metadata import AttentionMetadata, split_by_query_len
 from fastforward.attention.reference import paged_attention, write_kv
 
 # Steps whose longest query run is at most this many tokens (decode, small chunks) use the
@@ -94,29 +94,51 @@ class Attention(nn.Module):
             torch.ops.fastforward.write_kv(self.kv_cache, k, v, group.slot_mapping, self.kv_scales)
         else:
             write_kv(self.kv_cache, k, v, group.slot_mapping, self.kv_scales)
-        if self.use_kernel and (
-            meta.max_query_len <= KERNEL_MAX_QUERY_LEN or self.takes_long_queries(q.dtype)
-        ):
-            out = torch.ops.fastforward.paged_attention(
-                q.contiguous(),
-                self.kv_cache,
-                group.block_tables,
-                meta.query_start_loc,
-                meta.seq_lens,
-                self.scale,
-                self.sliding_window or 0,
-                self.softcap or 0.0,
-                self.kv_scales,
-            )
+        if not self.use_kernel:
+            out = self._reference(q, meta)
+        elif meta.max_query_len <= KERNEL_MAX_QUERY_LEN or self.takes_long_queries(q.dtype):
+            out = self._kernel(q, meta)
         else:
-            out = paged_attention(
-                q,
-                self.kv_cache,
-                meta,
-                group,
-                scale=self.scale,
-                window=self.sliding_window,
-                softcap=self.softcap,
-                kv_scales=self.kv_scales,
-            )
+            out = self._mixed(q, meta)
         return out.flatten(1).to(dtype)
+
+    def _kernel(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        group = meta.groups[self.group]
+        return torch.ops.fastforward.paged_attention(
+            q.contiguous(),
+            self.kv_cache,
+            group.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+            self.sliding_window or 0,
+            self.softcap or 0.0,
+            self.kv_scales,
+        )
+
+    def _reference(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return paged_attention(
+            q,
+            self.kv_cache,
+            meta,
+            meta.groups[self.group],
+            scale=self.scale,
+            window=self.sliding_window,
+            softcap=self.softcap,
+            kv_scales=self.kv_scales,
+        )
+
+    def _mixed(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Long query runs (prefill chunks) through the reference path's SDPA, the short ones
+        (decode rows of the same step) through the kernel: padding a decode row to the longest
+        prefill chunk in SDPA's ``[B, max_q]`` layout would cost a whole chunk of queries."""
+        split = meta.cached(
+            "split_by_query_len", lambda: split_by_query_len(meta, KERNEL_MAX_QUERY_LEN)
+        )
+        if split is None:
+            return self._reference(q, meta)
+        short, long = split
+        out = torch.empty_like(q)
+        out[short.rows] = self._kernel(q[short.rows], short.meta)
+        out[long.rows] = self._reference(q[long.rows], long.meta)
+        return out
