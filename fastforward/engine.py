@@ -367,7 +367,8 @@ class LLMEngine:
             return []
         try:
             result = self.runner.execute(sched)
-            sampled = self._sample(result)
+            with torch.inference_mode():  # the runner's logits are processed in place
+                sampled = self._sample(result)
         except Exception as e:  # never leave requests hanging on a failed step
             logger.exception("engine step failed")
             return self._fail([s.request for s in sched.scheduled], f"engine error: {e}")
@@ -411,12 +412,13 @@ class LLMEngine:
         verifying drafts the accepted ones and one more."""
         reqs, ks = result.requests, result.num_spec
         if not any(ks):
-            return [[t] for t in self.sampler(result.logits, reqs)]
+            return [[t] for t in self.sampler(result.logits, reqs, owned=True)]
         starts = np.concatenate([[0], np.cumsum(np.asarray(ks) + 1)])
         out: list[list[SampledToken]] = [[] for _ in reqs]
         plain = [i for i, k in enumerate(ks) if k == 0]
         if plain:
-            rows = self.sampler(result.logits[starts[plain]], [reqs[i] for i in plain])
+            plain_logits = result.logits[starts[plain]]  # a copy: advanced indexing
+            rows = self.sampler(plain_logits, [reqs[i] for i in plain], owned=True)
             for i, tok in zip(plain, rows, strict=True):
                 out[i] = [tok]
         spec = [i for i, k in enumerate(ks) if k > 0]

@@ -456,6 +456,28 @@ def test_write_kv_rejects_bad_slots():
         )
 
 
+@pytest.mark.parametrize(("rows", "vocab", "k"), [(5, 1000, 16), (3, 37, 4), (2, 16, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rescore_logits_recomputes_each_rows_top_k_in_fp32(rows, vocab, k, bias):
+    g = torch.Generator().manual_seed(vocab + k)
+    x = torch.randn(rows, 72, generator=g).to(torch.bfloat16)
+    w = torch.randn(vocab, 72, generator=g).to(torch.bfloat16)
+    b = torch.randn(vocab, generator=g) if bias else None
+    y = (x.float() @ w.float().t()).to(torch.bfloat16)  # oneDNN's bf16-rounded logits
+    y[0, :8] = y[0].max()  # ties at the top: the earliest are kept
+    out = kernels.ops().rescore_logits(y, x, w, b, k)
+    coarse = y.float() + (b if bias else 0)
+    exact = x.double() @ w.double().t() + (b.double() if bias else 0)
+    for r in range(rows):
+        # the k largest coarse logits, the earliest first among equals (a stable sort)
+        top = torch.sort(coarse[r], descending=True, stable=True).indices[:k]
+        rest = torch.ones(vocab, dtype=torch.bool)
+        rest[top] = False
+        assert torch.equal(out[r, rest], coarse[r, rest])
+        torch.testing.assert_close(out[r, top].double(), exact[r, top], rtol=1e-5, atol=1e-5)
+        assert not torch.equal(out[r, top], coarse[r, top])
+
+
 @pytest.mark.parametrize("arch", ["llama", "llama3-rope-tied"])
 @pytest.mark.parametrize("rows", [3, 40])
 def test_packed_output_projection_returns_fp32_logits(tiny_model_dir, arch, rows):

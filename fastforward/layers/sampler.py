@@ -77,7 +77,11 @@ class Sampler:
         self.dry = DryPenalty(token_texts)
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], *, owned: bool = False
+    ) -> list[SampledToken]:
+        """``owned``: the caller hands ``logits`` over (it does not read them afterwards), so
+        fp32 ones are processed in place instead of copied first."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(
                 f"logits must be [len(requests), V], got {tuple(logits.shape)} "
@@ -86,7 +90,10 @@ class Sampler:
         if not requests:
             return []
         params = [r.sampling_params for r in requests]
-        logits = logits.to(torch.float32, copy=True)  # [B, V]; processed in place below
+        # (an inference tensor, as the runner's, takes in-place updates in inference mode only)
+        writable = not logits.is_inference() or torch.is_inference_mode_enabled()
+        if not (owned and writable and logits.dtype == torch.float32):
+            logits = logits.to(torch.float32, copy=True)  # [B, V]; processed in place below
         if self._grammars is not None:
             apply_grammar_masks(logits, requests, self._grammars)
 

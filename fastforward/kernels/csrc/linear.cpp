@@ -7,6 +7,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <limits>
+#include <vector>
+
 #include "vec.h"
 
 namespace ff {
@@ -167,6 +171,89 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N
     TORCH_CHECK(false, "linear_bf16: x must be float32 or bfloat16, got ", x.scalar_type());
   }
   return y.view(out_sizes);
+}
+
+// fp32 logits from a bf16 matmul's y [R, V] (oneDNN has no fp32 output for bf16 inputs): each
+// row converted (plus bias), its k largest found in the same pass (a threshold that only the
+// rare larger entries cross) and recomputed from x [R, K] and w [V, K] with fp32 accumulation,
+// so the greedy pick and the top logprobs are not bf16 ties. Ties at the k-th value keep the
+// earliest entries.
+at::Tensor rescore_logits(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
+                          const std::optional<at::Tensor>& bias, int64_t k) {
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && w.dim() == 2, "y, x and w must be 2-D");
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 &&
+                  w.scalar_type() == at::kBFloat16,
+              "rescore_logits: y, x and w must be bfloat16");
+  const int64_t R = y.size(0), V = y.size(1), K = x.size(1);
+  TORCH_CHECK(x.size(0) == R && w.size(0) == V && w.size(1) == K, "y [R, V], x [R, K] and ",
+              "w [V, K] disagree");
+  TORCH_CHECK(k >= 1 && k <= 64 && k <= V, "k must be in [1, min(64, V)]");
+  auto yc = y.contiguous(), xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == V, "bias must have ", V, " entries");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  auto out = at::empty({R, V}, y.options().dtype(at::kFloat));
+  const auto* yp = reinterpret_cast<const uint16_t*>(yc.data_ptr());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> val(k);
+    std::vector<int64_t> idx(k);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* yr = yp + r * V;
+      float* o = op + r * V;
+      int64_t n = 0, low = 0;  // entries kept; the smallest kept one
+      float thr = -std::numeric_limits<float>::infinity();
+      auto offer = [&](int64_t i, float v) {
+        if (n < k) {
+          val[n] = v;
+          idx[n++] = i;
+          if (n < k) return;
+        } else {
+          val[low] = v;
+          idx[low] = i;
+        }
+        low = 0;  // the smallest kept entry, the latest among equals (the one to drop)
+        for (int64_t t = 1; t < k; ++t)
+          if (val[t] < val[low] || (val[t] == val[low] && idx[t] > idx[low])) low = t;
+        thr = val[low];
+      };
+      int64_t i = 0;
+      for (; i + VL <= V; i += VL) {
+        vf v = load_bf16(yr + i);
+        if (bp) v += load(bp + i);
+        store(o + i, v);
+        if (n < k || hmax(v) > thr) {
+          for (int j = 0; j < VL; ++j)
+            if (v[j] > thr || n < k) offer(i + j, v[j]);
+        }
+      }
+      for (; i < V; ++i) {
+        const float v = bf16_to_float(yr[i]) + (bp ? bp[i] : 0.f);
+        o[i] = v;
+        if (v > thr || n < k) offer(i, v);
+      }
+      const uint16_t* xr = xp + r * K;
+      for (int64_t t = 0; t < n; ++t) {
+        const uint16_t* wr = wp + idx[t] * K;
+        vf a0{}, a1{};
+        int64_t d = 0;
+        for (; d + 2 * VL <= K; d += 2 * VL) {
+          a0 += load_bf16(xr + d) * load_bf16(wr + d);
+          a1 += load_bf16(xr + d + VL) * load_bf16(wr + d + VL);
+        }
+        for (; d + VL <= K; d += VL) a0 += load_bf16(xr + d) * load_bf16(wr + d);
+        float sum = hsum(a0 + a1);
+        for (; d < K; ++d) sum += bf16_to_float(xr[d]) * bf16_to_float(wr[d]);
+        o[idx[t]] = sum + (bp ? bp[idx[t]] : 0.f);
+      }
+    }
+  });
+  return out;
 }
 
 }  // namespace ff

@@ -8,6 +8,8 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &ff::pack_linear_weight);
   m.def("unpack_linear_weight(Tensor wpacked, int N) -> Tensor", &ff::unpack_linear_weight);
   m.def("linear_bf16(Tensor x, Tensor wpacked, int N, Tensor? bias) -> Tensor", &ff::linear_bf16);
+  m.def("rescore_logits(Tensor y, Tensor x, Tensor w, Tensor? bias, int k) -> Tensor",
+        &ff::rescore_logits);
   m.def("linear_q4_native() -> bool", &ff::linear_q4_native);
   m.def("paged_attention_bf16_native() -> bool", &ff::paged_attention_bf16_native);
   m.def("linear_q4(Tensor x, Tensor wq, Tensor sz, Tensor table, int group_size) -> Tensor",

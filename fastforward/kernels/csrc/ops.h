@@ -19,6 +19,8 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
 at::Tensor gated_act(const at::Tensor& x, bool gelu);
 void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table);
+at::Tensor rescore_logits(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
+                          const std::optional<at::Tensor>& bias, int64_t k);
 bool linear_q4_native();
 bool paged_attention_bf16_native();
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
