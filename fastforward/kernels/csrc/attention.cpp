@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "vec.h"
@@ -158,24 +159,43 @@ inline int64_t sub_block_end(int64_t s0, int64_t block_size, int64_t k_hi) {
   return std::min({s0 + VL, s0 - s0 % block_size + block_size, k_hi});
 }
 
-// Prefetch the keys and values of the sub-block from key s1 (fetched while the current one
-// computes); ``kv_stride`` elements between keys, ``half`` from the K to the V half.
-template <typename CT>
-inline void prefetch_sub_block(const CT* cache, const int64_t* tab, const Geometry& g,
-                               int64_t kvh, int64_t s1, int64_t k_hi, int64_t kv_stride,
-                               int64_t half) {
-  if (s1 >= k_hi) return;
-  const int64_t b0 = s1 - s1 % g.BS, n = sub_block_end(s1, g.BS, k_hi) - s1;
-  const CT* nk = cache + (tab[b0 / g.BS] * g.BS + (s1 - b0)) * kv_stride + kvh * g.D;
-  const int64_t bytes = g.D * int64_t(sizeof(CT));
-  for (int64_t j = 0; j < n; ++j) {
-    const char* kr = reinterpret_cast<const char*>(nk + j * kv_stride);
-    for (int64_t o = 0; o < bytes; o += 64) {
-      __builtin_prefetch(kr + o);
-      __builtin_prefetch(kr + half * int64_t(sizeof(CT)) + o);
-    }
+// The cache lines of the next sub-block (its keys, then its values), prefetched a few at a time
+// between the current sub-block's instructions. Issued in one burst, the 64 prefetches of a
+// bf16 sub-block (16 keys x 128 bytes x K and V) fill the core's line-fill buffers and stall it
+// until they drain, which made them worth nothing: with KV from DRAM the kernel ran at the sum
+// of its memory and arithmetic times. Spread out they overlap (AMX Xeon, 2 threads, SmolLM2's
+// heads, 30 layers of KV: one sequence of 4,000 keys 375 -> 196 us a layer, 64 of 164 keys
+// 1,088 -> ~700; a throwaway timing script).
+struct PrefetchQueue {
+  static constexpr int CAP = 2 * VL * (D_MAX * 4 / 64);  // K and V lines of VL fp32 rows
+  const char* line[CAP];
+  int n = 0, next = 0;
+
+  void issue(int k) {
+    while (k-- > 0 && next < n) __builtin_prefetch(line[next++]);
   }
-}
+
+  // Queue the sub-block from key s1 of KV head kvh of the sequence with block table row tab
+  // (what is left of the previous one is issued first); ``kv_stride`` elements between keys,
+  // ``half`` from the K to the V half of the cache. (Queueing the next item's first sub-block
+  // at an item's end was tried too: no gain at 64 sequences of 164 keys.)
+  template <typename CT>
+  void queue(const CT* cache, const int64_t* tab, const Geometry& g, int64_t kvh, int64_t s1,
+             int64_t k_hi, int64_t kv_stride, int64_t half) {
+    issue(CAP);
+    n = next = 0;
+    if (s1 >= k_hi) return;
+    const int64_t b0 = s1 - s1 % g.BS, keys = sub_block_end(s1, g.BS, k_hi) - s1;
+    const CT* nk = cache + (tab[b0 / g.BS] * g.BS + (s1 - b0)) * kv_stride + kvh * g.D;
+    const int64_t bytes = g.D * int64_t(sizeof(CT));
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t j = 0; j < keys; ++j) {
+        const char* row = reinterpret_cast<const char*>(nk + h * half + j * kv_stride);
+        for (int64_t o = 0; o < bytes; o += 64) line[n++] = row + o;
+      }
+  }
+
+};
 
 // One item: writes each row's partial (m, l, acc[D]) to part = [rows][D + 2].
 //
@@ -202,6 +222,7 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
     std::fill(acc[r], acc[r] + Dp, 0.f);
   }
   for (int j = 0; j < VL; ++j) std::fill(kf[j], kf[j] + Dp, 0.f);  // pads stay zero
+  PrefetchQueue pf;
   const int64_t kv_stride = g.KVH * D;  // between consecutive keys in a block
   const int64_t half = g.NB * g.BS * kv_stride;  // K half -> V half of the cache
   const int64_t* tab = table + it.seq * g.W;
@@ -212,8 +233,11 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
     const CT* kb = cache + row0 * kv_stride + it.kvh * D;
     // int8 cache: scales [2, NB, BS, KVH], one per key row and KV head
     const at::Half* ks = scales ? scales + row0 * g.KVH + it.kvh : nullptr;
-    prefetch_sub_block(cache, tab, g, it.kvh, s1, st.k_hi, kv_stride, half);
-    for (int j = 0; j < n; ++j) to_float(kf[j], kb + j * kv_stride, D);
+    pf.queue(cache, tab, g, it.kvh, s1, st.k_hi, kv_stride, half);
+    for (int j = 0; j < n; ++j) {
+      pf.issue(2);
+      to_float(kf[j], kb + j * kv_stride, D);
+    }
     for (int j = n; j < VL; ++j) std::fill(kf[j], kf[j] + D, 0.f);
     row_scales(ks_buf, ks, g.KVH, n);
     for (int j = n; j < VL; ++j) ks_buf[j] = 0.f;
@@ -247,7 +271,10 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
     if (any) {
       const CT* vb = kb + half;
       const at::Half* vs = scales ? ks + g.NB * g.BS * g.KVH : nullptr;
-      for (int j = 0; j < n; ++j) to_float(kf[j], vb + j * kv_stride, D);
+      for (int j = 0; j < n; ++j) {
+        pf.issue(2);
+        to_float(kf[j], vb + j * kv_stride, D);
+      }
       row_scales(vs_buf, vs, g.KVH, n);
       for (int64_t r = 0; r < rows; ++r) {
         float w[VL];
@@ -356,6 +383,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
   const int64_t half = g.NB * g.BS * kv_stride;
   const int64_t* tab = table + it.seq * g.W;
   const __m512i zero = _mm512_setzero_si512();
+  PrefetchQueue pf;
   // round to bf16 now: the values are weighted by these, and l must sum the same numbers
   auto to_bf16 = [](vf v) {
     const __m256i pb = (__m256i)_mm512_cvtneps_pbh(reinterpret_cast<__m512&>(v));
@@ -367,7 +395,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
     const int n = int(s1 - s0);
     const int64_t row0 = tab[b0 / g.BS] * g.BS + (s0 - b0);
     const uint16_t* kb = cache + row0 * kv_stride + it.kvh * D;
-    prefetch_sub_block(cache, tab, g, it.kvh, s1, st.k_hi, kv_stride, half);
+    pf.queue(cache, tab, g, it.kvh, s1, st.k_hi, kv_stride, half);
     bool any = false;
     for (int64_t r = 0; r < rows; ++r) {
       seen[r] = std::max(st.lo[r], s0) < std::min(st.hi[r], s1);
@@ -391,6 +419,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
       __m512 a[4][2];
       for (int u = 0; u < 4; ++u) a[u][0] = a[u][1] = _mm512_setzero_ps();
       for (int pi = 0; pi < P; ++pi) {
+        pf.issue(1);
         const __m512bh k = (__m512bh)kt[pi];
 #pragma GCC unroll 4
         for (int u = 0; u < 4; ++u) {
@@ -415,6 +444,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
     for (int jp = 0; jp < (n + 1) / 2; ++jp) {
       const int j = 2 * jp;
       for (int c = 0; c < C; ++c) {
+        pf.issue(1);
         const __m512i a = load_row(vb + j * kv_stride, c);
         const __m512i b = j + 1 < n ? load_row(vb + (j + 1) * kv_stride, c) : zero;
         vt[jp][c][0] = _mm512_unpacklo_epi16(a, b);
@@ -438,6 +468,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
           for (int h = 0; h < 2; ++h)
             a[u][h] = u < nr ? _mm512_load_ps(acc[r0 + u] + 32 * c + 16 * h) : _mm512_setzero_ps();
         for (int jp = 0; jp < npairs; ++jp) {
+          pf.issue(1);
           const __m512bh v0 = (__m512bh)vt[jp][c][0], v1 = (__m512bh)vt[jp][c][1];
 #pragma GCC unroll 4
           for (int u = 0; u < 4; ++u) {
@@ -514,7 +545,9 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
     }
   }
   const int64_t D = g.D, stride = ROWS_MAX * (D + 2);
-  std::vector<float> partial(items.size() * stride);
+  // every row an item has is written before the merge reads it: no zero fill (at batch 64 it
+  // was ~0.8 MB a layer)
+  std::unique_ptr<float[]> partial(new float[items.size() * stride]);
   const auto* qp = reinterpret_cast<const QT*>(q.data_ptr());
   const auto* cp = reinterpret_cast<const CT*>(cache.data_ptr());
   const int64_t* tp = table.data_ptr<int64_t>();
@@ -522,7 +555,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
   const bool dp = bf16_pair && kHaveDp && g.D % 2 == 0;
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      float* pi = partial.data() + i * stride;
+      float* pi = partial.get() + i * stride;
       if constexpr (bf16_pair) {
         if (dp) {
           attend_item_dp(items[i], g, reinterpret_cast<const uint16_t*>(qp),
@@ -547,7 +580,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
         std::fill(o.begin(), o.end(), 0.f);
         float L = 0.f;
         for (int64_t p = 0; p < parts; ++p) {
-          const float* pr = partial.data() + (gi * parts + p) * stride + r * (D + 2);
+          const float* pr = partial.get() + (gi * parts + p) * stride + r * (D + 2);
           if (pr[0] == NEG_INF) continue;
           const float w = std::exp(pr[0] - M);
           L += w * pr[1];
