@@ -34,14 +34,16 @@ def test_linear_bf16_matches_dense(dtype, m, k, n, bias):
 
 
 @pytest.mark.parametrize("rows", [9, 64])
-def test_packed_linear_large_batches_take_onednn_with_the_dense_numbers(rows):
-    """Above ``packed_rows_max`` rows a PackedLinear multiplies through oneDNN from a weight
-    prepacked in its blocked layout (where PyTorch has oneDNN): the same numbers as
-    ``F.linear`` on the plain bf16 weight, in 3-D too, and no dense copy is kept for it."""
+def test_packed_linear_large_batches_take_onednn_with_the_dense_numbers(monkeypatch, rows):
+    """Without AMX, above ``packed_rows_max`` rows a PackedLinear multiplies through oneDNN
+    from a weight prepacked in its blocked layout (where PyTorch has oneDNN): the same numbers
+    as ``F.linear`` on the plain bf16 weight, in 3-D too, and no dense copy is kept for it."""
     import torch.nn.functional as F
 
+    from fastforward.kernels import linear
     from fastforward.kernels.linear import PackedLinear
 
+    monkeypatch.setattr(linear, "amx_pack", lambda w: None)  # as on a CPU without AMX
     torch.manual_seed(rows)
     w, b = torch.randn(96, 64), torch.randn(96)
     lin = PackedLinear(w, b, None, keep_dense=True, packed_rows_max=8)
@@ -53,6 +55,58 @@ def test_packed_linear_large_batches_take_onednn_with_the_dense_numbers(rows):
     assert torch.equal(lin(x), ref.to(torch.bfloat16))
     assert torch.equal(lin(x.view(1, rows, 64)), lin(x).view(1, rows, 96))
     assert torch.equal(lin.weight, w.to(torch.bfloat16))  # unpacked from the packed copy
+
+
+needs_amx = pytest.mark.skipif(
+    not (kernels.available() and kernels.ops().amx_native()), reason="the CPU has no AMX"
+)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("m", "k", "n"),
+    [(1, 64, 16), (9, 576, 960), (17, 100, 17), (64, 1536, 576), (70, 33, 200), (130, 96, 48)],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_amx_matches_fp32_accumulation(m, k, n, bias):
+    """AMX tiles: fp32 sums of the bf16 products whatever the shape (rows, K and N padded to
+    whole tiles); fp32 out as computed, bf16 out rounded once; a row does not depend on the
+    rows batched with it."""
+    torch.manual_seed(m * k + n)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    b = torch.randn(n) if bias else None
+    ops = kernels.ops()
+    packed = ops.pack_amx_weight(w)
+    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+    y32 = ops.linear_amx(x, packed, n, b, True)
+    assert y32.dtype == torch.float32 and y32.shape == (m, n)
+    torch.testing.assert_close(y32.double(), ref, rtol=1e-5, atol=1e-4)
+    y16 = ops.linear_amx(x, packed, n, b, False)
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16, y32.to(torch.bfloat16))
+    assert torch.equal(ops.linear_amx(x[m // 2 :], packed, n, b, True), y32[m // 2 :])
+
+
+@needs_amx
+def test_packed_linear_large_batches_take_amx():
+    """On an AMX CPU, batches above ``packed_rows_max`` go through the AMX tiles (no dense or
+    oneDNN copy kept); the output projection gets fp32 logits straight from the tiles."""
+    from fastforward.kernels.linear import PackedLinear
+
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    lin = PackedLinear(w, b, None, keep_dense=True, packed_rows_max=8)
+    assert lin.amx is not None and lin.onednn is None and lin.dense is None
+    x = torch.randn(2, 20, 64).to(torch.bfloat16)
+    ref = x.double() @ w.to(torch.bfloat16).double().t() + b.double()
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 20, 96)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-2)
+    head = PackedLinear(w, None, None, keep_dense=True, packed_rows_max=8, fp32_out=True)
+    logits = head(x[0])
+    assert logits.dtype == torch.float32 and head.dense is None
+    exact = x[0].double() @ w.to(torch.bfloat16).double().t()
+    torch.testing.assert_close(logits.double(), exact, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(("k", "n"), [(576, 1536), (100, 200), (33, 17)])

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fastforward import kernels
-from fastforward.kernels.linear import PackedLinear, onednn_prepack
+from fastforward.kernels.linear import PackedLinear, amx_pack, onednn_prepack
 from fastforward.layers.activation import GatedActivation
 from fastforward.layers.attention import Attention
 from fastforward.layers.norm import RMSNorm
@@ -133,7 +133,9 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
             embed.weight, None, None, keep_dense=False, packed_rows_max=rows_max, fp32_out=True
         )
         if native_bf16:
+            w = embed.weight.detach().to(torch.bfloat16)
             model.lm_head.dense = embed.weight
-            model.lm_head.onednn = onednn_prepack(embed.weight.detach().to(torch.bfloat16))
+            model.lm_head.amx = amx_pack(w)
+            model.lm_head.onednn = onednn_prepack(w) if model.lm_head.amx is None else None
         report.linears.append("lm_head (tied)")
     return report

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 SOURCES = (
     "linear.cpp",
     "linear_q4.cpp",
+    "linear_amx.cpp",
     "attention.cpp",
     "elementwise.cpp",
     "decoder.cpp",

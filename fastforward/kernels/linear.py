@@ -2,13 +2,14 @@
 
 Decode-sized batches (a few rows) are bound by reading the weights, so they run our kernel over
 a packed copy of the weight (tiles of 16 output features, ``[N/16, K, 16]``), streamed once in
-address order. Larger batches are bound by arithmetic; where the CPU has native bf16 matmul
-(AMX / AVX512-BF16) oneDNN's is several times faster there, so a second copy is kept for
-those batches: in oneDNN's own blocked layout where PyTorch can prepack it
-(``mkldnn::_reorder_linear_weight``; ``F.linear`` on a plain weight reorders it on every call,
-which cost 1.3-2x at 16-64 rows on an AMX Xeon), else the dense ``[N, K]`` weight. The results
-are the same numbers either way. On a CPU without native bf16 the packed kernel serves every
-batch and no second copy is kept.
+address order. Larger batches are bound by arithmetic, so a second copy is kept for them where
+the CPU has native bf16 matmul: on AMX CPUs our AMX-tile kernel's own layout (``linear_amx``,
+up to ``AMX_ROWS_MAX`` rows; fp32 results, so the output projection needs no rescoring; larger
+batches take oneDNN on the weight unpacked from the packed copy), else oneDNN's blocked layout
+where PyTorch can prepack it (``mkldnn::_reorder_linear_weight``; ``F.linear`` on a plain weight
+reorders it on every call, which cost 1.3-2x at 16-64 rows on an AMX Xeon), else the dense
+``[N, K]`` weight. On a CPU without native bf16 the packed kernel serves every batch and no
+second copy is kept.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ from fastforward import kernels
 # logits per row recomputed with fp32 accumulation when the output projection runs through
 # oneDNN (batches above ``packed_rows_max``)
 RESCORE_TOP = 16
+
+# Rows up to which the AMX tiles serve a batch; above, oneDNN on the weight unpacked from the
+# packed copy (its reorder amortized over the rows) is the faster. AMX Xeon, 2 threads,
+# SmolLM2's four layer matrices, us (a throwaway timing script, noisy): 64 rows 27-141 against
+# oneDNN's prepacked 41-162; 512 rows 193-999 against 298-912; 2,048 rows 816-4,293 against
+# the unpacked weight's 681-3,357. Kept equal to decoder.cpp's kAmxRowsMax.
+AMX_ROWS_MAX = 512
 
 
 def onednn_prepack(w: torch.Tensor) -> torch.Tensor | None:
@@ -37,6 +45,12 @@ def onednn_prepack(w: torch.Tensor) -> torch.Tensor | None:
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def amx_pack(w: torch.Tensor) -> torch.Tensor | None:
+    """``w [N, K]`` bf16 as ``linear_amx``'s B tiles, or None where the CPU has no AMX."""
+    ops = kernels.ops()
+    return ops.pack_amx_weight(w) if ops.amx_native() else None
 
 
 class PackedLinear(nn.Module):
@@ -61,10 +75,12 @@ class PackedLinear(nn.Module):
         self.out_sizes = None if out_sizes is None else list(out_sizes)
         self.packed_rows_max = packed_rows_max
         self.register_buffer("packed", kernels.ops().pack_linear_weight(w), persistent=False)
-        # large batches: oneDNN's blocked copy, else the dense weight (the output projection
-        # keeps the dense one too: its top logits are recomputed from rows of it)
-        self.onednn = onednn_prepack(w) if keep_dense else None
-        need_dense = keep_dense and (self.onednn is None or fp32_out)
+        # large batches: AMX tiles (fp32 results: the output projection needs no rescoring),
+        # else oneDNN's blocked copy, else the dense weight (the output projection keeps the
+        # dense one then: its top logits are recomputed from rows of it)
+        self.amx = amx_pack(w) if keep_dense else None
+        self.onednn = onednn_prepack(w) if keep_dense and self.amx is None else None
+        need_dense = keep_dense and self.amx is None and (self.onednn is None or fp32_out)
         self.dense = nn.Parameter(w, requires_grad=False) if need_dense else None
         if bias is None:
             self.register_parameter("bias", None)
@@ -80,9 +96,12 @@ class PackedLinear(nn.Module):
 
     @property
     def large_batch_weight(self) -> torch.Tensor | None:
-        """What batches above ``packed_rows_max`` multiply by: the oneDNN-blocked copy, else
-        the dense one (None: the packed kernel serves every batch)."""
-        return self.onednn if self.onednn is not None else self.dense
+        """What batches above ``packed_rows_max`` multiply by: the AMX tiles, else the
+        oneDNN-blocked copy, else the dense one (None: the packed kernel serves every batch)."""
+        for w in (self.amx, self.onednn, self.dense):
+            if w is not None:
+                return w
+        return None
 
     @property
     def num_weights(self) -> int:
@@ -93,19 +112,24 @@ class PackedLinear(nn.Module):
         if self.large_batch_weight is None or rows <= self.packed_rows_max:
             x = x.float() if self.fp32_out else x
             return torch.ops.fastforward.linear_bf16(x, self.packed, self.out_features, self.bias)
+        if self.amx is not None and rows <= AMX_ROWS_MAX:
+            return torch.ops.fastforward.linear_amx(
+                x, self.amx, self.out_features, self.bias, self.fp32_out
+            )
         xb = x.to(torch.bfloat16)
+        dense = self.weight if self.amx is not None else self.dense
         if self.onednn is not None:
             y = onednn_linear(xb.reshape(-1, self.in_features), self.onednn)
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
-            y = F.linear(xb, self.dense)
+            y = F.linear(xb, dense)
         if self.fp32_out:
-            return self._rescored(x, y)
+            return self._rescored(x, y, dense)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
 
-    def _rescored(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _rescored(self, x: torch.Tensor, y: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """fp32 logits from oneDNN's bf16 ones (the CPU matmul has no fp32 output for bf16
         inputs): each row's ``RESCORE_TOP`` largest are recomputed from the same bf16 numbers
         with fp32 accumulation, so the greedy pick and the top logprobs are not bf16 ties; the
@@ -117,7 +141,7 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = y.reshape(x2.shape[0], self.out_features)
         k = min(RESCORE_TOP, self.out_features)
-        out = torch.ops.fastforward.rescore_logits(y, x2, self.dense, self.bias, k)
+        out = torch.ops.fastforward.rescore_logits(y, x2, dense, self.bias, k)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -125,5 +149,6 @@ class PackedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"dense={'kept' if self.dense is not None else 'no'}, "
             f"onednn={'prepacked' if self.onednn is not None else 'no'}, "
+            f"amx={'packed' if self.amx is not None else 'no'}, "
             f"packed_rows_max={self.packed_rows_max}"
         )

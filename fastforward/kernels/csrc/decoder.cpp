@@ -35,10 +35,13 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
   return stack[0].toTensor();
 }
 
+// Rows up to which the AMX tiles take a bf16 linear layer (kernels/linear.py AMX_ROWS_MAX).
+constexpr int64_t kAmxRowsMax = 512;
+
 struct Linear {
   int64_t kind = kBf16;
   at::Tensor w;      // packed weight / codes
-  at::Tensor aux;    // dense or oneDNN-blocked bf16 copy (kBf16, may be undefined), scales
+  at::Tensor aux;    // kBf16: AMX tiles, oneDNN-blocked or dense copy (may be undefined); scales
   at::Tensor table;  // kQ4: the 16 levels
   int64_t n = 0;     // output features
   int64_t group = 0;
@@ -50,7 +53,11 @@ struct Linear {
     if (kind == kDense) return at::linear(x, w, bias);
     if (kind == kBf16) {
       if (!aux.defined() || rows <= rows_max) return linear_bf16(x, w, n, bias);
+      const bool amx = !aux.is_mkldnn() && aux.dim() == 4;
+      if (amx && rows <= kAmxRowsMax) return linear_amx(x, aux, n, bias, false);
+      // AMX tiles above kAmxRowsMax: oneDNN on the weight unpacked from the packed copy
       auto y = aux.is_mkldnn() ? onednn_linear(x.to(at::kBFloat16), aux)
+               : amx           ? at::linear(x.to(at::kBFloat16), unpack_linear_weight(w, n))
                                : at::linear(x.to(at::kBFloat16), aux);
       if (bias) y = y + *bias;
       return y.to(x.scalar_type());

@@ -10,6 +10,10 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("linear_bf16(Tensor x, Tensor wpacked, int N, Tensor? bias) -> Tensor", &ff::linear_bf16);
   m.def("rescore_logits(Tensor y, Tensor x, Tensor w, Tensor? bias, int k) -> Tensor",
         &ff::rescore_logits);
+  m.def("amx_native() -> bool", &ff::amx_native);
+  m.def("pack_amx_weight(Tensor w) -> Tensor", &ff::pack_amx_weight);
+  m.def("linear_amx(Tensor x, Tensor wpacked, int N, Tensor? bias, bool fp32_out) -> Tensor",
+        &ff::linear_amx);
   m.def("linear_q4_native() -> bool", &ff::linear_q4_native);
   m.def("paged_attention_bf16_native() -> bool", &ff::paged_attention_bf16_native);
   m.def("linear_q4(Tensor x, Tensor wq, Tensor sz, Tensor table, int group_size) -> Tensor",

@@ -21,6 +21,10 @@ at::Tensor gated_act(const at::Tensor& x, bool gelu);
 void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table);
 at::Tensor rescore_logits(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& bias, int64_t k);
+bool amx_native();
+at::Tensor pack_amx_weight(const at::Tensor& w);
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
+                      const std::optional<at::Tensor>& bias, bool fp32_out);
 bool linear_q4_native();
 bool paged_attention_bf16_native();
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,

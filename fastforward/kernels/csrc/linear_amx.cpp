@@ -1,0 +1,214 @@
+// bf16 matmul on AMX tiles (Intel's Advanced Matrix Extensions: eight 1 KB tile registers and a
+// 16 x 16 x 32 bf16 multiply-add into fp32 per instruction), for the batches above the packed
+// kernel's few rows: batched decode and prefill.
+//
+// oneDNN's AMX matmul (what PyTorch's bf16 linear calls) costs ~40-100 us of fixed work a call
+// at 64 rows, as much as the matmul itself for SmolLM2's small matrices, and returns bf16 only.
+// Here the weight is packed once into B tiles in the order they are read (blocks of 16 output
+// features, 32 of K per tile, VNNI pairs), so a call streams it once per 64 rows, each tile
+// multiplied into four fp32 accumulator tiles (64 rows x 16 features) while activations come
+// from L1/L2; outputs are the fp32 accumulators, converted once (bf16 with the activations, or
+// fp32 for the output projection's logits, which then need no bf16 rounding and no rescoring).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "ops.h"
+#include "vec.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define FF_AMX 1
+#endif
+
+namespace ff {
+namespace {
+
+constexpr int64_t TN = 16;    // output features per B tile
+constexpr int64_t TK = 32;    // bf16 of K per tile row
+constexpr int64_t TM = 16;    // rows per A / C tile
+constexpr int64_t MC = 4;     // C tiles (row tiles) per pass over the weight: 64 rows
+constexpr int64_t TILE = 512; // bf16 elements of one tile
+constexpr int64_t GROUP_BYTES = 256 << 10;  // weight blocks kept in L2 across row chunks
+
+#ifdef FF_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a process AMX's tile state only on request (arch_prctl), once per process.
+bool amx_permitted() {
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return ok;
+}
+
+// Tiles 0-3: C (16 rows x 16 fp32), 4-5: A (16 rows x 32 bf16), 6-7: B (16 K pairs x 16
+// features).
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = TM;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One pass over the weight blocks [b0, b1) for rows [m0, m0 + 16 * mt) of the padded a: two
+// blocks (32 features, a whole cache line of bf16 output per row) by two row tiles at a time.
+template <typename OT>
+void pass(const uint16_t* a, int64_t Kp, int64_t m0, int64_t mt, int64_t M, const uint16_t* wp,
+          int64_t kc, int64_t b0, int64_t b1, const float* bias, int64_t N, OT* y) {
+  alignas(64) float cbuf[4][TM][TN];
+  for (int64_t b = b0; b < b1; b += 2) {
+    const bool two_b = b + 1 < b1;
+    const uint16_t* w0 = wp + b * kc * TILE;
+    const uint16_t* w1 = w0 + kc * TILE;
+    for (int64_t t0 = 0; t0 < mt; t0 += 2) {
+      const bool two_m = t0 + 1 < mt;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* a0 = a + (m0 + t0 * TM) * Kp;
+      const uint16_t* a1 = a0 + TM * Kp;
+      for (int64_t c = 0; c < kc; ++c) {
+        _tile_loadd(4, a0 + c * TK, Kp * 2);
+        _tile_loadd(6, w0 + c * TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_b) {
+          _tile_loadd(7, w1 + c * TILE, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_m) {
+          _tile_loadd(5, a1 + c * TK, Kp * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two_b) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, cbuf[0], 64);
+      if (two_b) _tile_stored(1, cbuf[1], 64);
+      if (two_m) _tile_stored(2, cbuf[2], 64);
+      if (two_m && two_b) _tile_stored(3, cbuf[3], 64);
+      for (int64_t h = 0; h < (two_m ? 2 : 1); ++h)
+        for (int64_t r = 0; r < TM; ++r) {
+          const int64_t m = m0 + (t0 + h) * TM + r;
+          if (m >= M) break;
+          for (int64_t u = 0; u < (two_b ? 2 : 1); ++u) {
+            const int64_t n0 = (b + u) * TN, nv = std::min(TN, N - n0);
+            const __mmask16 keep = __mmask16((1u << nv) - 1);
+            __m512 v = _mm512_load_ps(cbuf[2 * h + u][r]);
+            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n0));
+            OT* dst = y + m * N + n0;
+            if constexpr (std::is_same_v<OT, float>) {
+              _mm512_mask_storeu_ps(dst, keep, v);
+            } else {
+              alignas(64) uint16_t hb[TN];
+              store_bf16(hb, reinterpret_cast<const vf&>(v));
+              _mm256_mask_storeu_epi16(dst, keep,
+                                       _mm256_load_si256(reinterpret_cast<__m256i*>(hb)));
+            }
+          }
+        }
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool amx_native() {
+#ifdef FF_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// w [N, K] bf16 -> [ceil(N/16), ceil(K/32), 16, 32] bf16: per block of 16 output features, its
+// B tiles along K in VNNI layout (tile row r holds K pair (2r, 2r + 1) of each feature, the
+// pair's two values side by side), zero-padded.
+at::Tensor pack_amx_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "w must be a 2-D bf16 tensor");
+  auto wc = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t nb = (N + TN - 1) / TN, kc = (K + TK - 1) / TK;
+  auto out = at::zeros({nb, kc, TK / 2, 2 * TN}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t j = 0; j < TN && b * TN + j < N; ++j) {
+        const uint16_t* row = src + (b * TN + j) * K;
+        for (int64_t k = 0; k < K; ++k)
+          dst[((b * kc + k / TK) * (TK / 2) + (k % TK) / 2) * 2 * TN + 2 * j + k % 2] = row[k];
+      }
+  });
+  return out;
+}
+
+// y [.., N] = x [.., K] @ W^T (+ bias) with W packed by pack_amx_weight; fp32 accumulation, y in
+// x's dtype or fp32.
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
+                      const std::optional<at::Tensor>& bias, bool fp32_out) {
+#ifdef FF_AMX
+  TORCH_CHECK(amx_permitted(), "linear_amx: the CPU or the kernel does not allow AMX");
+  TORCH_CHECK(wpacked.dim() == 4 && wpacked.size(2) == TK / 2 && wpacked.size(3) == 2 * TN &&
+                  wpacked.scalar_type() == at::kBFloat16 && wpacked.is_contiguous(),
+              "linear_amx: the weight must come from pack_amx_weight");
+  const int64_t nb = wpacked.size(0), kc = wpacked.size(1), K = x.size(-1);
+  TORCH_CHECK(N > (nb - 1) * TN && N <= nb * TN, "N=", N, " does not match the packed weight");
+  TORCH_CHECK(K > (kc - 1) * TK && K <= kc * TK, "x has ", K, " features, the weight ",
+              kc * TK);
+  auto x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0), Kp = kc * TK, Mp = (M + TM - 1) / TM * TM;
+  at::Tensor a = x2.to(at::kBFloat16);
+  if (Mp != M || Kp != K || !a.is_contiguous()) {  // A tiles read whole 16 x 32 blocks
+    auto padded = at::zeros({Mp, Kp}, a.options());
+    padded.narrow(0, 0, M).narrow(1, 0, K).copy_(a);
+    a = padded;
+  }
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "bias must have ", N, " entries");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const bool f32 = fp32_out || x.scalar_type() == at::kFloat;
+  TORCH_CHECK(f32 || x.scalar_type() == at::kBFloat16, "linear_amx: x must be fp32 or bf16");
+  auto y = at::empty({M, N}, x.options().dtype(f32 ? at::kFloat : at::kBFloat16));
+  const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(wpacked.data_ptr());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  void* yp = y.data_ptr();
+  // Threads split the weight's blocks. Up to 64 rows (decode) each streams its share once;
+  // more rows (prefill) go over it in groups of blocks that stay in L2 while every 64 rows
+  // pass, so the weight is read from memory once and the activations once per group.
+  const int64_t group = std::max<int64_t>(2, GROUP_BYTES / (kc * TILE * 2)) / 2 * 2;
+  at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t b0 = 2 * p0, b1 = std::min(nb, 2 * p1);
+    configure_tiles();
+    for (int64_t g0 = b0; g0 < b1; g0 += group) {
+      const int64_t g1 = std::min(b1, g0 + group);
+      for (int64_t m0 = 0; m0 < Mp; m0 += MC * TM) {
+        const int64_t mt = std::min(MC, (Mp - m0) / TM);
+        if (f32) pass(ap, Kp, m0, mt, M, wp, kc, g0, g1, bp, N, static_cast<float*>(yp));
+        else pass(ap, Kp, m0, mt, M, wp, kc, g0, g1, bp, N, static_cast<uint16_t*>(yp));
+      }
+    }
+    _tile_release();
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  y = y.view(sizes);
+  return fp32_out || x.scalar_type() == at::kBFloat16 ? y : y.to(x.scalar_type());
+#else
+  (void)x, (void)wpacked, (void)N, (void)bias, (void)fp32_out;
+  TORCH_CHECK(false, "linear_amx: built without AMX");
+#endif
+}
+
+}  // namespace ff
