@@ -26,6 +26,10 @@ KERNEL_MODES = ("auto", "native", "torch")
 # 19 ms, 16 rows 26 vs 18; a throwaway timing script, not a project benchmark). Without native
 # bf16 the packed kernel serves every batch size.
 PACKED_ROWS_MAX_NATIVE_BF16 = 8
+# With AMX tiles (kernels/linear.py linear_amx) the crossover is at 1-2 rows: the same 120
+# matrices took 9.7 ms packed / 9.8 ms AMX at 1 row, 9.8 / 9.6 at 2, 15.2 / 10.2 at 8 and
+# 22.8 / 9.7 at 16 (the weights from memory; a throwaway timing script).
+PACKED_ROWS_MAX_AMX = 1
 
 
 @dataclass(slots=True)
@@ -112,6 +116,8 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
         return report
     native_bf16 = cpu_has_native_bf16()
     rows_max = PACKED_ROWS_MAX_NATIVE_BF16 if native_bf16 else 1 << 62
+    if native_bf16 and kernels.ops().amx_native():
+        rows_max = PACKED_ROWS_MAX_AMX
     # nn.Linear and its fused subclass MergedLinear; quantized modules are not nn.Linear
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, module in targets:
