@@ -5,10 +5,11 @@
 // oneDNN's AMX matmul (what PyTorch's bf16 linear calls) costs ~40-100 us of fixed work a call
 // at 64 rows, as much as the matmul itself for SmolLM2's small matrices, and returns bf16 only.
 // Here the weight is packed once into B tiles in the order they are read (blocks of 16 output
-// features, 32 of K per tile, VNNI pairs), so a call streams it once per 64 rows, each tile
-// multiplied into four fp32 accumulator tiles (64 rows x 16 features) while activations come
-// from L1/L2; outputs are the fp32 accumulators, converted once (bf16 with the activations, or
-// fp32 for the output projection's logits, which then need no bf16 rounding and no rescoring).
+// features, 32 of K per tile, VNNI pairs), so a call streams it once per 64 rows; each step
+// multiplies two row tiles by two weight tiles into four fp32 accumulator tiles (32 rows x 32
+// features: a whole cache line of bf16 output per row), and the accumulators are converted
+// once (bf16 with the activations, or fp32 for the output projection's logits, which then need
+// no bf16 rounding and no rescoring).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
