@@ -91,7 +91,9 @@ def test_linear_amx_matches_fp32_accumulation(m, k, n, bias):
 def test_packed_linear_large_batches_take_amx():
     """On an AMX CPU, batches above ``packed_rows_max`` go through the AMX tiles (no dense or
     oneDNN copy kept); the output projection gets fp32 logits straight from the tiles."""
-    from fastforward.kernels.linear import PackedLinear
+    import torch.nn.functional as F
+
+    from fastforward.kernels.linear import AMX_ROWS_MAX, PackedLinear
 
     torch.manual_seed(0)
     w, b = torch.randn(96, 64), torch.randn(96)
@@ -107,6 +109,17 @@ def test_packed_linear_large_batches_take_amx():
     assert logits.dtype == torch.float32 and head.dense is None
     exact = x[0].double() @ w.to(torch.bfloat16).double().t()
     torch.testing.assert_close(logits.double(), exact, rtol=1e-5, atol=1e-4)
+    # above AMX_ROWS_MAX: F.linear's numbers on the weight unpacked from the packed copy
+    big = torch.randn(AMX_ROWS_MAX + 3, 64).to(torch.bfloat16)
+    wb = w.to(torch.bfloat16)
+    assert torch.equal(lin(big), (F.linear(big, wb) + b).to(torch.bfloat16))
+    top = head(big).topk(4, dim=-1).indices  # rescored in fp32
+    torch.testing.assert_close(
+        head(big).gather(-1, top).double(),
+        (big.double() @ wb.double().t()).gather(-1, top),
+        rtol=1e-5,
+        atol=1e-4,
+    )
 
 
 @pytest.mark.parametrize(("k", "n"), [(576, 1536), (100, 200), (33, 17)])

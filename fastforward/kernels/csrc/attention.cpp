@@ -194,7 +194,6 @@ struct PrefetchQueue {
         for (int64_t o = 0; o < bytes; o += 64) line[n++] = row + o;
       }
   }
-
 };
 
 // One item: writes each row's partial (m, l, acc[D]) to part = [rows][D + 2].

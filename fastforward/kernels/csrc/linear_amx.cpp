@@ -13,6 +13,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+
 #include "ops.h"
 #include "vec.h"
 
@@ -29,7 +31,7 @@ namespace {
 constexpr int64_t TN = 16;    // output features per B tile
 constexpr int64_t TK = 32;    // bf16 of K per tile row
 constexpr int64_t TM = 16;    // rows per A / C tile
-constexpr int64_t MC = 4;     // C tiles (row tiles) per pass over the weight: 64 rows
+constexpr int64_t MC = 4;     // row tiles per pass over the weight: 64 rows
 constexpr int64_t TILE = 512; // bf16 elements of one tile
 constexpr int64_t GROUP_BYTES = 256 << 10;  // weight blocks kept in L2 across row chunks
 
@@ -95,22 +97,27 @@ void pass(const uint16_t* a, int64_t Kp, int64_t m0, int64_t mt, int64_t M, cons
       if (two_b) _tile_stored(1, cbuf[1], 64);
       if (two_m) _tile_stored(2, cbuf[2], 64);
       if (two_m && two_b) _tile_stored(3, cbuf[3], 64);
+      __mmask16 keep[2];  // each block's features inside N, and their bias
+      __m512 bv[2];
+      for (int64_t u = 0; u < 2; ++u) {
+        const int64_t nv = std::clamp<int64_t>(N - (b + u) * TN, 0, TN);
+        keep[u] = __mmask16((1u << nv) - 1);
+        bv[u] = bias ? _mm512_maskz_loadu_ps(keep[u], bias + (b + u) * TN) : _mm512_setzero_ps();
+      }
       for (int64_t h = 0; h < (two_m ? 2 : 1); ++h)
         for (int64_t r = 0; r < TM; ++r) {
           const int64_t m = m0 + (t0 + h) * TM + r;
           if (m >= M) break;
           for (int64_t u = 0; u < (two_b ? 2 : 1); ++u) {
-            const int64_t n0 = (b + u) * TN, nv = std::min(TN, N - n0);
-            const __mmask16 keep = __mmask16((1u << nv) - 1);
-            __m512 v = _mm512_load_ps(cbuf[2 * h + u][r]);
-            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n0));
+            const int64_t n0 = (b + u) * TN;
+            const __m512 v = _mm512_add_ps(_mm512_load_ps(cbuf[2 * h + u][r]), bv[u]);
             OT* dst = y + m * N + n0;
             if constexpr (std::is_same_v<OT, float>) {
-              _mm512_mask_storeu_ps(dst, keep, v);
+              _mm512_mask_storeu_ps(dst, keep[u], v);
             } else {
               alignas(64) uint16_t hb[TN];
               store_bf16(hb, reinterpret_cast<const vf&>(v));
-              _mm256_mask_storeu_epi16(dst, keep,
+              _mm256_mask_storeu_epi16(dst, keep[u],
                                        _mm256_load_si256(reinterpret_cast<__m256i*>(hb)));
             }
           }
@@ -204,8 +211,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
   });
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  y = y.view(sizes);
-  return fp32_out || x.scalar_type() == at::kBFloat16 ? y : y.to(x.scalar_type());
+  return y.view(sizes);
 #else
   (void)x, (void)wpacked, (void)N, (void)bias, (void)fp32_out;
   TORCH_CHECK(false, "linear_amx: built without AMX");
