@@ -150,7 +150,24 @@ needs_q4 = pytest.mark.skipif(
 def test_linear_q4_matches_dense(m, n, k, group, zeros, levels):
     """Rows in blocks of 1-4 and tiles in blocks of 4 with tails; the table (int4 levels, which
     the kernel builds by bit logic, or codebook centroids, looked up), scales and zeros against
-    a float64 matmul of the expanded weight."""
+    a float64 matmul of the expanded weight. From 5 rows an AMX CPU takes linear_q4_amx, which
+    rounds the expanded weight to bf16 once, as a dequantize-then-bf16-matmul would."""
+    x, packed, sz, table, w = _q4_case(m, n, k, group, zeros, levels)
+    y = kernels.ops().linear_q4(x, packed, sz, table, group)
+    if m >= Q4_AMX_ROWS_MIN and kernels.ops().amx_native():
+        w = w.to(torch.bfloat16).double()
+    ref = x.double() @ w.t()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # fp32 accumulation, then one bf16 rounding of the output (2^-9 relative)
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-4 * ref.abs().max())
+
+
+Q4_AMX_ROWS_MIN = 5  # csrc/linear_q4.cpp kQ4AmxRowsMin
+
+
+def _q4_case(m, n, k, group, zeros, levels):
+    """Random codes, table, scales (and zeros) in linear_q4's layout, bf16 rows, and the
+    float64 weight they stand for."""
     from fastforward.quant import q4pack
 
     gen = torch.Generator().manual_seed(m * n + k)
@@ -167,11 +184,27 @@ def test_linear_q4_matches_dense(m, n, k, group, zeros, levels):
     sz = q4pack.pack_scales(s, z) if zeros else q4pack.pack_scales(s)
     assert all(torch.equal(a, b) for a, b in zip(q4pack.unpack_scales(sz), (s, z), strict=False))
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    y = kernels.ops().linear_q4(x, packed, sz, table, group)
-    ref = x.double() @ w.t()
+    return x, packed, sz, table, w
+
+
+@needs_amx
+@pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 576, 576, 32), (16, 48, 128, 128),
+                         (70, 80, 36, 4), (64, 1536, 576, 32), (600, 96, 384, 64)])  # fmt: skip
+@pytest.mark.parametrize("zeros", [True, False])
+@pytest.mark.parametrize("levels", ["int4", "centroids"])
+def test_linear_q4_amx_matches_bf16_weight(m, n, k, group, zeros, levels):
+    """The codes expanded to bf16 tiles: fp32 accumulation over the weight rounded once to bf16
+    (K not a multiple of 32, rows not of 16, more rows than one pass); each row independent of
+    the batch around it; linear_q4 hands it batches from Q4_AMX_ROWS_MIN rows."""
+    x, packed, sz, table, w = _q4_case(m, n, k, group, zeros, levels)
+    ops = kernels.ops()
+    y = ops.linear_q4_amx(x, packed, sz, table, group)
+    ref = x.double() @ w.to(torch.bfloat16).double().t()
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    # fp32 accumulation, then one bf16 rounding of the output (2^-9 relative)
-    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-4 * ref.abs().max())
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-5 * ref.abs().max())
+    assert torch.equal(ops.linear_q4_amx(x[m // 3 :], packed, sz, table, group), y[m // 3 :])
+    if m >= Q4_AMX_ROWS_MIN:
+        assert torch.equal(ops.linear_q4(x, packed, sz, table, group), y)
 
 
 @needs_q4

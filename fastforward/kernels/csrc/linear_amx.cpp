@@ -10,6 +10,10 @@
 // features: a whole cache line of bf16 output per row), and the accumulators are converted
 // once (bf16 with the activations, or fp32 for the output projection's logits, which then need
 // no bf16 rounding and no rescoring).
+//
+// 4-bit weights (linear_q4's layout) take the same tiles in batches: linear_q4_amx expands each
+// block of codes to bf16 B tiles in a buffer that stays in cache and multiplies every row by
+// it, so the expansion is paid once per call rather than once per row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -18,7 +22,7 @@
 #include "ops.h"
 #include "vec.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -61,15 +65,16 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// One pass over the weight blocks [b0, b1) for rows [m0, m0 + 16 * mt) of the padded a: two
-// blocks (32 features, a whole cache line of bf16 output per row) by two row tiles at a time.
+// One pass over the weight blocks [b0, b1) (their tiles from wp on) for rows
+// [m0, m0 + 16 * mt) of the padded a: two blocks (32 features, a whole cache line of bf16
+// output per row) by two row tiles at a time.
 template <typename OT>
 void pass(const uint16_t* a, int64_t Kp, int64_t m0, int64_t mt, int64_t M, const uint16_t* wp,
           int64_t kc, int64_t b0, int64_t b1, const float* bias, int64_t N, OT* y) {
   alignas(64) float cbuf[4][TM][TN];
   for (int64_t b = b0; b < b1; b += 2) {
     const bool two_b = b + 1 < b1;
-    const uint16_t* w0 = wp + b * kc * TILE;
+    const uint16_t* w0 = wp + (b - b0) * kc * TILE;
     const uint16_t* w1 = w0 + kc * TILE;
     for (int64_t t0 = 0; t0 < mt; t0 += 2) {
       const bool two_m = t0 + 1 < mt;
@@ -125,6 +130,58 @@ void pass(const uint16_t* a, int64_t Kp, int64_t m0, int64_t mt, int64_t M, cons
     }
   }
 }
+
+// x2 [M, K] as bf16 A tiles: rows padded to a multiple of 16 and K to Kp with zeros (tiles
+// read whole 16 x 32 blocks).
+at::Tensor a_tiles(const at::Tensor& x2, int64_t Kp) {
+  const int64_t M = x2.size(0), K = x2.size(1), Mp = (M + TM - 1) / TM * TM;
+  at::Tensor a = x2.to(at::kBFloat16);
+  if (Mp == M && Kp == K && a.is_contiguous()) return a;
+  auto padded = at::zeros({Mp, Kp}, a.options());
+  padded.narrow(0, 0, M).narrow(1, 0, K).copy_(a);
+  return padded;
+}
+
+// The 4-bit codes of one block of 16 output features (linear_q4's layout: K/4 quads of 32
+// bytes; byte 2i of a quad holds feature i's inputs 4p (low nibble) and 4p + 2, byte 2i + 1
+// inputs 4p + 1 and 4p + 3), expanded to the block's bf16 B tiles as pack_amx_weight lays them
+// out: w = table[code] * scale + zero, rounded once to bf16. A quad's low nibbles are tile row
+// 2p (inputs 4p, 4p + 1 of the 16 features, side by side) and its high nibbles row 2p + 1, so
+// the codes need no shuffling: each byte widens to a 32-bit lane, whose low four bits index
+// the table (vpermps), and two lanes per feature take its scale and zero.
+// sz: the block's [G][C][16] bf16 scales (C = 2: then zeros); dst: kc tiles.
+void expand_q4_block(const uint8_t* codes, int64_t quads, const uint16_t* sz, int C,
+                     int64_t quads_per_group, __m512 table, int64_t kc, uint16_t* dst) {
+  const __m512i lo8 = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi8 = _mm512_add_epi32(lo8, _mm512_set1_epi32(8));
+  __m512 z0 = _mm512_setzero_ps(), z1 = z0;
+  for (int64_t q0 = 0; q0 < quads; q0 += quads_per_group) {
+    const uint16_t* st = sz + q0 / quads_per_group * C * TN;  // the group's scales (and zeros),
+    const __m512 s = load_bf16(st);                          // two lanes per feature
+    const __m512 s0 = _mm512_permutexvar_ps(lo8, s), s1 = _mm512_permutexvar_ps(hi8, s);
+    if (C == 2) {
+      const __m512 z = load_bf16(st + TN);
+      z0 = _mm512_permutexvar_ps(lo8, z);
+      z1 = _mm512_permutexvar_ps(hi8, z);
+    }
+    for (int64_t q = q0; q < q0 + quads_per_group; ++q) {
+      const auto* qb = reinterpret_cast<const __m128i*>(codes + q * 32);
+      const __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(qb));      // features 0-7
+      const __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(qb + 1));  // 8-15
+      const __m512 l0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(d0, table), s0, z0);
+      const __m512 l1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(d1, table), s1, z1);
+      const __m512 h0 =
+          _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d0, 4), table), s0, z0);
+      const __m512 h1 =
+          _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d1, 4), table), s1, z1);
+      uint16_t* row = dst + q / 8 * TILE + q % 8 * 2 * 2 * TN;
+      _mm512_storeu_si512(row, (__m512i)_mm512_cvtne2ps_pbh(l1, l0));
+      _mm512_storeu_si512(row + 2 * TN, (__m512i)_mm512_cvtne2ps_pbh(h1, h0));
+    }
+  }
+  // K past the codes, up to the last tile's 32: zero rows (the A tiles' padding is zero too)
+  std::memset(dst + quads * 2 * 2 * TN, 0, (kc * TILE - quads * 2 * 2 * TN) * 2);
+}
 #endif
 
 }  // namespace
@@ -174,12 +231,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
               kc * TK);
   auto x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0), Kp = kc * TK, Mp = (M + TM - 1) / TM * TM;
-  at::Tensor a = x2.to(at::kBFloat16);
-  if (Mp != M || Kp != K || !a.is_contiguous()) {  // A tiles read whole 16 x 32 blocks
-    auto padded = at::zeros({Mp, Kp}, a.options());
-    padded.narrow(0, 0, M).narrow(1, 0, K).copy_(a);
-    a = padded;
-  }
+  const at::Tensor a = a_tiles(x2, Kp);
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "bias must have ", N, " entries");
@@ -203,8 +255,9 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
       const int64_t g1 = std::min(b1, g0 + group);
       for (int64_t m0 = 0; m0 < Mp; m0 += MC * TM) {
         const int64_t mt = std::min(MC, (Mp - m0) / TM);
-        if (f32) pass(ap, Kp, m0, mt, M, wp, kc, g0, g1, bp, N, static_cast<float*>(yp));
-        else pass(ap, Kp, m0, mt, M, wp, kc, g0, g1, bp, N, static_cast<uint16_t*>(yp));
+        const uint16_t* wg = wp + g0 * kc * TILE;
+        if (f32) pass(ap, Kp, m0, mt, M, wg, kc, g0, g1, bp, N, static_cast<float*>(yp));
+        else pass(ap, Kp, m0, mt, M, wg, kc, g0, g1, bp, N, static_cast<uint16_t*>(yp));
       }
     }
     _tile_release();
@@ -215,6 +268,57 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
 #else
   (void)x, (void)wpacked, (void)N, (void)bias, (void)fp32_out;
   TORCH_CHECK(false, "linear_amx: built without AMX");
+#endif
+}
+
+// linear_q4 on AMX tiles: y [.., N] = x [.., K] @ W^T with W in linear_q4's 4-bit layout. Each
+// thread expands its blocks of codes to bf16 B tiles (expand_q4_block) in a buffer that stays
+// in L2, a group at a time, and multiplies every row by it: the expansion is paid once per
+// call, not once per row as in linear_q4's own kernel. The weight is rounded to bf16 once
+// (as dequantizing to bf16 and calling a bf16 linear would), products accumulate in fp32.
+at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
+                         const at::Tensor& table, int64_t group_size) {
+#ifdef FF_AMX
+  TORCH_CHECK(amx_permitted(), "linear_q4_amx: the CPU or the kernel does not allow AMX");
+  check_linear_q4(x, wq, sz, table, group_size);
+  const int64_t nb = wq.size(0), N = nb * TN, quads = wq.size(1), K = quads * 4;
+  const int64_t kc = (K + TK - 1) / TK, Kp = kc * TK, C = sz.size(2);
+  const int64_t G = K / group_size, qpg = group_size / 4;
+  auto x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0), Mp = (M + TM - 1) / TM * TM;
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y.view(sizes);
+  const at::Tensor a = a_tiles(x2, Kp);
+  const __m512 tab = load_bf16(reinterpret_cast<const uint16_t*>(table.contiguous().data_ptr()));
+  const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const auto* codes = wq.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  // Up to 64 rows a pair of blocks is expanded and used at once (in L1); more rows take
+  // groups of blocks that stay in L2 while every 64 rows pass, as in linear_amx.
+  const int64_t group =
+      Mp <= MC * TM ? 2 : std::max<int64_t>(2, GROUP_BYTES / (kc * TILE * 2)) / 2 * 2;
+  at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t b0 = 2 * p0, b1 = std::min(nb, 2 * p1);
+    std::vector<uint16_t> buf(std::min(group, b1 - b0) * kc * TILE);
+    configure_tiles();
+    for (int64_t g0 = b0; g0 < b1; g0 += group) {
+      const int64_t g1 = std::min(b1, g0 + group);
+      for (int64_t b = g0; b < g1; ++b)
+        expand_q4_block(codes + b * quads * 32, quads, sp + b * G * C * TN, int(C), qpg, tab, kc,
+                        buf.data() + (b - g0) * kc * TILE);
+      for (int64_t m0 = 0; m0 < Mp; m0 += MC * TM)
+        pass(ap, Kp, m0, std::min(MC, (Mp - m0) / TM), M, buf.data(), kc, g0, g1, nullptr, N,
+             yp);
+    }
+    _tile_release();
+  });
+  return y.view(sizes);
+#else
+  (void)x, (void)wq, (void)sz, (void)table, (void)group_size;
+  TORCH_CHECK(false, "linear_q4_amx: built without AMX");
 #endif
 }
 

@@ -17,9 +17,15 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace ff {
+
+// Batches from this many rows go to AMX tiles where the CPU has them (linear_q4_amx in
+// linear_amx.cpp): the codes expanded to bf16 tiles once per call serve every row, where this
+// kernel's cost grows with the rows.
+constexpr int64_t kQ4AmxRowsMin = 5;
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kQ4Native = true;
@@ -162,9 +168,8 @@ void rows(bool off, int r, const uint16_t* x, int64_t K, const uint8_t* w, const
 }  // namespace
 #endif
 
-at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
+void check_linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                      const at::Tensor& table, int64_t group_size) {
-  TORCH_CHECK(kQ4Native, "linear_q4 needs AVX512-BF16 (this build has no 4-bit kernel)");
   TORCH_CHECK(wq.dim() == 3 && wq.size(2) == 32 && wq.scalar_type() == at::kByte &&
                   wq.is_contiguous(),
               "packed codes must be a contiguous [N/16, K/4, 32] uint8 tensor");
@@ -180,6 +185,16 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
               "table must hold 16 bf16 values");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K,
               " features");
+}
+
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
+                     const at::Tensor& table, int64_t group_size) {
+  TORCH_CHECK(kQ4Native, "linear_q4 needs AVX512-BF16 (this build has no 4-bit kernel)");
+  check_linear_q4(x, wq, sz, table, group_size);
+  const int64_t K = x.size(-1);
+  if (x.numel() >= kQ4AmxRowsMin * K && amx_native())
+    return linear_q4_amx(x, wq, sz, table, group_size);
+  const int64_t tiles = wq.size(0), N = tiles * 16, G = K / group_size;
   auto xc = x.reshape({-1, K}).contiguous();
   const int64_t M = xc.size(0);
   auto out_sizes = x.sizes().vec();

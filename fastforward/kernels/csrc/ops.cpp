@@ -18,6 +18,8 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("paged_attention_bf16_native() -> bool", &ff::paged_attention_bf16_native);
   m.def("linear_q4(Tensor x, Tensor wq, Tensor sz, Tensor table, int group_size) -> Tensor",
         &ff::linear_q4);
+  m.def("linear_q4_amx(Tensor x, Tensor wq, Tensor sz, Tensor table, int group_size) -> Tensor",
+        &ff::linear_q4_amx);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor", &ff::rms_norm);
   m.def("gated_act(Tensor x, bool gelu) -> Tensor", &ff::gated_act);
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table) -> ()", &ff::rope_);

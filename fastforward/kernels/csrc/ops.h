@@ -29,4 +29,8 @@ bool linear_q4_native();
 bool paged_attention_bf16_native();
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                      const at::Tensor& table, int64_t group_size);
+void check_linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
+                     const at::Tensor& table, int64_t group_size);
+at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
+                         const at::Tensor& table, int64_t group_size);
 }  // namespace ff
