@@ -292,6 +292,7 @@ CASES = [
     ([1, 1, 1], [700, 5, 63], 9, 3, 64, None, None),  # decode, split-K on the long one
     ([37, 1, 5], [0, 90, 16], 9, 3, 64, None, None),  # prefill, decode, chunked prefill mixed
     ([20, 3], [0, 41], 4, 1, 24, None, None),  # MQA, head dim not a SIMD multiple
+    ([37, 12, 5], [0, 0, 0], 9, 3, 64, None, None),  # fresh prompts: the reference's causal SDPA
     ([7, 1], [0, 20], 2, 1, 18, None, None),  # 9 dimension pairs: not a multiple of 4
     ([50, 1], [0, 300], 4, 2, 32, 17, None),  # sliding window
     ([9, 1], [4, 33], 4, 2, 32, None, 5.0),  # logit softcap
@@ -375,6 +376,22 @@ def test_attention_mixed_step_splits_decode_rows_from_prefill_chunks(monkeypatch
     long_runs = [n for n in query_lens if n > KERNEL_MAX_QUERY_LEN]
     assert seen == [long_runs]  # the reference path saw only the long runs
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_reference_causal_sdpa_equals_masked(monkeypatch):
+    """Fresh prompts of different lengths (padded among themselves) take SDPA's causal mode in
+    the reference path: the same numbers as the explicit mask."""
+    from fastforward.attention import reference
+
+    cache, meta = _random_batch([37, 12, 5], [0, 0, 0], 3, 64, 16, torch.float32, seed=1)
+    q = torch.randn(54, 9, 64)
+    args = dict(scale=0.125)
+    causal = reference.paged_attention(q, cache, meta, meta.groups[0], **args)
+    assert meta.derived["no_context"] and ("mask", None) not in meta.derived
+    monkeypatch.setattr(reference, "_no_context", lambda meta: False)
+    meta.derived.clear()
+    masked = reference.paged_attention(q, cache, meta, meta.groups[0], **args)
+    torch.testing.assert_close(causal, masked, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
