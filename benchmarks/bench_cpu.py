@@ -155,7 +155,7 @@ def ff_engine(sz, quantization: str | None = None):
         "dtype": str(llm.engine.dtype),
         "kernels": llm.engine.kernels.mode,
         "quantization": quantization,
-        "4bit_layers_on_linear_q4": len(llm.engine.kernels.quantized),
+        "quantized_layers_on_native_kernels": len(llm.engine.kernels.quantized),
     }
 
     def generate(ps, n):

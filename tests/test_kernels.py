@@ -207,6 +207,35 @@ def test_linear_q4_amx_matches_bf16_weight(m, n, k, group, zeros, levels):
         assert torch.equal(ops.linear_q4(x, packed, sz, table, group), y)
 
 
+@needs_amx
+@pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 64, 64, 32), (70, 48, 96, 16),
+                         (17, 4096, 576, 32), (600, 32, 36, 2)])  # fmt: skip
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_linear_i8g_amx_matches_bf16_weight(m, n, k, group, scale_dtype):
+    """int8 codes with group scales (GGUF Q8_0/Q5_0/Q6_K) expanded to bf16 tiles: fp32
+    accumulation over code * scale rounded once to bf16 (K not a multiple of 32, rows not of
+    16, more rows than one pass), each row independent of the batch around it."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.01).to(scale_dtype).float()
+    tiles = codes.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+    tile_scales = scales.view(n // 16, 16, -1).transpose(1, 2).contiguous()
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    ops = kernels.ops()
+    y = ops.linear_i8g_amx(x, tiles, tile_scales, group)
+    w = (codes.double().view(n, -1, group) * scales.double()[..., None]).view(n, k)
+    ref = x.double() @ w.to(torch.bfloat16).double().t()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-5 * ref.abs().max())
+    assert torch.equal(ops.linear_i8g_amx(x[m // 3 :], tiles, tile_scales, group), y[m // 3 :])
+    with pytest.raises(RuntimeError, match="group size"):
+        ops.linear_i8g_amx(x, tiles, tile_scales, 3)
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.linear_i8g_amx(x, tiles, tile_scales.half(), group)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.linear_i8g_amx(x[:, 1:], tiles, tile_scales, group)
+
+
 @needs_q4
 @pytest.mark.parametrize("method", ["int4", "codebook4"])
 def test_engine_moves_4bit_layers_onto_the_kernel(tiny_model_dir, method):

@@ -63,7 +63,15 @@ def _modules() -> dict[str, QuantizedLinear]:
             native = copy.deepcopy(modules[name])
             native.use_native_kernel()
             modules[f"{name}-native"] = native
+    if _amx():  # int8 groups (GGUF Q8_0/Q5_0/Q6_K) have a native kernel on AMX tiles only
+        native = copy.deepcopy(modules["int8-group16"])
+        native.use_native_kernel()
+        modules["int8-group16-native"] = native
     return modules
+
+
+def _amx() -> bool:
+    return kernels.available() and kernels.ops().amx_native()
 
 
 # ---------------------------------------------------------------- packed matmul == dequantize
@@ -93,11 +101,16 @@ def test_embedding_rows_are_dequantized_rows(name):
 @pytest.mark.skipif(
     not (kernels.available() and kernels.ops().linear_q4_native()), reason="no AVX512-BF16 kernel"
 )
-@pytest.mark.parametrize("name", ["int4-g32", "int4-g64", "int4-g128", "codebook4"])
-def test_native_4bit_layout_keeps_the_values(name):
-    """Moving onto fastforward's 4-bit kernel repacks the same codes, scales and zeros: the
-    dequantized weight, the embedding rows and the checkpoint tensors are bit for bit the same,
-    and the matmul agrees with the PyTorch path's within bf16 rounding."""
+@pytest.mark.parametrize(
+    "name",
+    ["int4-g32", "int4-g64", "int4-g128", "codebook4"]
+    + [pytest.param("int8-group16", marks=pytest.mark.skipif(not _amx(), reason="no AMX"))],
+)
+def test_native_layout_keeps_the_values(name):
+    """Moving onto fastforward's 4-bit kernel (or, for int8 groups, its AMX kernel) repacks the
+    same codes, scales and zeros: the dequantized weight, the embedding rows and the checkpoint
+    tensors are bit for bit the same, and the matmul agrees with the PyTorch path's within bf16
+    rounding."""
     modules = _modules()
     plain, native = modules[name], modules[f"{name}-native"]
     assert native.native and not plain.native

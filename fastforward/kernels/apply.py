@@ -44,7 +44,8 @@ class KernelReport:
     mode: str  # "native" when the kernels are in use, else "torch"
     linears: list[str] = field(default_factory=list)
     attention_layers: int = 0
-    quantized: list[str] = field(default_factory=list)  # 4-bit layers on linear_q4
+    # 4-bit layers on linear_q4, int8-group layers on linear_i8g_amx (AMX CPUs)
+    quantized: list[str] = field(default_factory=list)
     reason: str = ""  # why the native kernels are not used, when they are not
 
 
@@ -94,7 +95,8 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
     """Attention, RoPE, RMSNorm and gated activations take the native kernels (float32 or bf16);
     with bf16 weights every float linear layer, and a tied output projection, becomes a
     ``PackedLinear``; int4 and 16-centroid codebook layers move onto ``linear_q4`` where the CPU
-    has AVX512-BF16."""
+    has AVX512-BF16, int8-group layers (GGUF Q8_0/Q5_0/Q6_K) onto ``linear_i8g_amx`` where it
+    has AMX."""
     report = KernelReport("native")
     if kernels.ops().linear_q4_native():
         # 4-bit weights compute in bf16 whatever the engine dtype (quant/base.py)

@@ -271,30 +271,21 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
 #endif
 }
 
-// linear_q4 on AMX tiles: y [.., N] = x [.., K] @ W^T with W in linear_q4's 4-bit layout. Each
-// thread expands its blocks of codes to bf16 B tiles (expand_q4_block) in a buffer that stays
-// in L2, a group at a time, and multiplies every row by it: the expansion is paid once per
-// call, not once per row as in linear_q4's own kernel. The weight is rounded to bf16 once
-// (as dequantizing to bf16 and calling a bf16 linear would), products accumulate in fp32.
-at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
-                         const at::Tensor& table, int64_t group_size) {
 #ifdef FF_AMX
-  TORCH_CHECK(amx_permitted(), "linear_q4_amx: the CPU or the kernel does not allow AMX");
-  check_linear_q4(x, wq, sz, table, group_size);
-  const int64_t nb = wq.size(0), N = nb * TN, quads = wq.size(1), K = quads * 4;
-  const int64_t kc = (K + TK - 1) / TK, Kp = kc * TK, C = sz.size(2);
-  const int64_t G = K / group_size, qpg = group_size / 4;
-  auto x2 = x.reshape({-1, K});
+namespace {
+
+// y [M, nb * 16] (bf16) = x2 [M, K] @ W^T for a weight stored in some compact form, expanded a
+// block of 16 output features at a time by expand(b, dst) into dst's kc bf16 B tiles (the
+// layout pack_amx_weight writes). Each thread expands its blocks into a buffer that stays in
+// cache and multiplies every row by it: the expansion is paid once per call, not once per row.
+template <typename Expand>
+at::Tensor expanded_linear(const at::Tensor& x2, int64_t nb, Expand&& expand) {
+  const int64_t K = x2.size(1), kc = (K + TK - 1) / TK, Kp = kc * TK, N = nb * TN;
   const int64_t M = x2.size(0), Mp = (M + TM - 1) / TM * TM;
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0) return y.view(sizes);
+  auto y = at::empty({M, N}, x2.options().dtype(at::kBFloat16));
+  if (M == 0) return y;
   const at::Tensor a = a_tiles(x2, Kp);
-  const __m512 tab = load_bf16(reinterpret_cast<const uint16_t*>(table.contiguous().data_ptr()));
   const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
-  const auto* codes = wq.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   // Up to 64 rows a pair of blocks is expanded and used at once (in L1); more rows take
   // groups of blocks that stay in L2 while every 64 rows pass, as in linear_amx.
@@ -306,19 +297,101 @@ at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Te
     configure_tiles();
     for (int64_t g0 = b0; g0 < b1; g0 += group) {
       const int64_t g1 = std::min(b1, g0 + group);
-      for (int64_t b = g0; b < g1; ++b)
-        expand_q4_block(codes + b * quads * 32, quads, sp + b * G * C * TN, int(C), qpg, tab, kc,
-                        buf.data() + (b - g0) * kc * TILE);
+      for (int64_t b = g0; b < g1; ++b) expand(b, buf.data() + (b - g0) * kc * TILE);
       for (int64_t m0 = 0; m0 < Mp; m0 += MC * TM)
         pass(ap, Kp, m0, std::min(MC, (Mp - m0) / TM), M, buf.data(), kc, g0, g1, nullptr, N,
              yp);
     }
     _tile_release();
   });
+  return y;
+}
+
+// One block of 16 output features of int8 codes with a float32 scale per group of inputs
+// (linear_i8g_amx's layout: K/2 pairs of 32 bytes, byte 2i + h of pair p = feature i's input
+// 2p + h, which is already a B tile row), expanded to bf16 B tiles: w = code * scale, rounded
+// once to bf16. sc: the block's [G][16] scales; dst: kc tiles.
+void expand_i8_block(const int8_t* codes, int64_t pairs, const float* sc,
+                     int64_t pairs_per_group, int64_t kc, uint16_t* dst) {
+  const __m512i lo8 = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi8 = _mm512_add_epi32(lo8, _mm512_set1_epi32(8));
+  for (int64_t p0 = 0; p0 < pairs; p0 += pairs_per_group) {
+    const __m512 s = _mm512_loadu_ps(sc + p0 / pairs_per_group * TN);
+    const __m512 s0 = _mm512_permutexvar_ps(lo8, s), s1 = _mm512_permutexvar_ps(hi8, s);
+    for (int64_t p = p0; p < p0 + pairs_per_group; ++p) {
+      const auto* pb = reinterpret_cast<const __m128i*>(codes + p * 32);
+      const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pb))), s0);
+      const __m512 w1 =
+          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pb + 1))), s1);
+      _mm512_storeu_si512(dst + p / 16 * TILE + p % 16 * 2 * TN,
+                          (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+    }
+  }
+  std::memset(dst + pairs * 2 * TN, 0, (kc * TILE - pairs * 2 * TN) * 2);  // K's padding
+}
+
+}  // namespace
+#endif
+
+// linear_q4 on AMX tiles: y [.., N] = x [.., K] @ W^T with W in linear_q4's 4-bit layout, each
+// block's codes expanded to bf16 tiles (expand_q4_block) once per call. The weight is rounded
+// to bf16 once (as dequantizing to bf16 and calling a bf16 linear would), products accumulate
+// in fp32.
+at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
+                         const at::Tensor& table, int64_t group_size) {
+#ifdef FF_AMX
+  TORCH_CHECK(amx_permitted(), "linear_q4_amx: the CPU or the kernel does not allow AMX");
+  check_linear_q4(x, wq, sz, table, group_size);
+  const int64_t nb = wq.size(0), quads = wq.size(1), K = quads * 4;
+  const int64_t kc = (K + TK - 1) / TK, C = sz.size(2), G = K / group_size;
+  const __m512 tab = load_bf16(reinterpret_cast<const uint16_t*>(table.contiguous().data_ptr()));
+  const auto* codes = wq.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
+  auto y = expanded_linear(x.reshape({-1, K}), nb, [&](int64_t b, uint16_t* dst) {
+    expand_q4_block(codes + b * quads * 32, quads, sp + b * G * C * TN, int(C), group_size / 4,
+                    tab, kc, dst);
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = nb * TN;
   return y.view(sizes);
 #else
   (void)x, (void)wq, (void)sz, (void)table, (void)group_size;
   TORCH_CHECK(false, "linear_q4_amx: built without AMX");
+#endif
+}
+
+// y [.., N] = x [.., K] @ W^T for int8 codes with a scale per group of inputs (GGUF Q8_0, Q5_0,
+// Q6_K), on AMX tiles: codes [N/16, K/2, 16, 2] int8 (per block of 16 output features and
+// input pair, the 16 features' two codes side by side), scales [N/16, K/group, 16] float32.
+// The weight is rounded to bf16 once, products accumulate in fp32; x bf16, y bf16.
+at::Tensor linear_i8g_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          int64_t group_size) {
+#ifdef FF_AMX
+  TORCH_CHECK(amx_permitted(), "linear_i8g_amx: the CPU or the kernel does not allow AMX");
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == TN && codes.size(3) == 2 &&
+                  codes.scalar_type() == at::kChar && codes.is_contiguous(),
+              "codes must be a contiguous [N/16, K/2, 16, 2] int8 tensor");
+  const int64_t nb = codes.size(0), pairs = codes.size(1), K = pairs * 2;
+  TORCH_CHECK(group_size >= 2 && group_size % 2 == 0 && K % group_size == 0, "group size ",
+              group_size, " must be even and divide K=", K);
+  const int64_t G = K / group_size, kc = (K + TK - 1) / TK;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == nb && scales.size(1) == G &&
+                  scales.size(2) == TN && scales.scalar_type() == at::kFloat &&
+                  scales.is_contiguous(),
+              "scales must be a contiguous [N/16, K/group, 16] float32 tensor");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K,
+              " features");
+  const auto* cp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  auto y = expanded_linear(x.reshape({-1, K}), nb, [&](int64_t b, uint16_t* dst) {
+    expand_i8_block(cp + b * pairs * 32, pairs, sp + b * G * TN, group_size / 2, kc, dst);
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = nb * TN;
+  return y.view(sizes);
+#else
+  (void)x, (void)codes, (void)scales, (void)group_size;
+  TORCH_CHECK(false, "linear_i8g_amx: built without AMX");
 #endif
 }
 

@@ -20,6 +20,8 @@ TORCH_LIBRARY(fastforward, m) {
         &ff::linear_q4);
   m.def("linear_q4_amx(Tensor x, Tensor wq, Tensor sz, Tensor table, int group_size) -> Tensor",
         &ff::linear_q4_amx);
+  m.def("linear_i8g_amx(Tensor x, Tensor codes, Tensor scales, int group_size) -> Tensor",
+        &ff::linear_i8g_amx);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor", &ff::rms_norm);
   m.def("gated_act(Tensor x, bool gelu) -> Tensor", &ff::gated_act);
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table) -> ()", &ff::rope_);

@@ -33,4 +33,6 @@ void check_linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
                      const at::Tensor& table, int64_t group_size);
 at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                          const at::Tensor& table, int64_t group_size);
+at::Tensor linear_i8g_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          int64_t group_size);
 }  // namespace ff
