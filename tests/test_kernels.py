@@ -407,6 +407,42 @@ def test_attention_mixed_step_splits_decode_rows_from_prefill_chunks(monkeypatch
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize(
+    ("context", "dtype"), [(0, torch.float32), (0, torch.bfloat16), (9, torch.float32)]
+)
+def test_attention_one_fresh_prompt_skips_the_cache(monkeypatch, context, dtype):
+    """One prompt with no cached context runs SDPA on the step's own q, k, v (no gather from the
+    cache): the reference path's output. With context it goes through the reference path."""
+    import fastforward.layers.attention as attention_module
+    from fastforward.layers.attention import Attention
+
+    h, kvh, d, bs, t = 6, 2, 32, 16, 40
+    cache, meta = _random_batch([t], [context], kvh, d, bs, dtype, seed=5)
+    table = meta.groups[0].block_tables
+    slots = [int(table[0, p // bs]) * bs + p % bs for p in range(context, context + t)]
+    meta.groups[0].slot_mapping = torch.tensor(slots)
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(t, n, d, generator=g).to(dtype) for n in (h, kvh, kvh))
+
+    def run(use_kernel):
+        layer = Attention(h, kvh, d, d**-0.5)
+        layer.kv_cache = cache.clone()
+        layer.use_kernel = use_kernel
+        meta.derived.clear()
+        return layer(q, k, v, meta)
+
+    ref = run(False)
+    calls = []
+    original = attention_module.paged_attention
+    monkeypatch.setattr(
+        attention_module, "paged_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    )
+    out = run(True)
+    assert len(calls) == (context > 0)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
 def test_reference_causal_sdpa_equals_masked(monkeypatch):
     """Fresh prompts of different lengths (padded among themselves) take SDPA's causal mode in
     the reference path: the same numbers as the explicit mask."""
@@ -417,7 +453,7 @@ def test_reference_causal_sdpa_equals_masked(monkeypatch):
     args = dict(scale=0.125)
     causal = reference.paged_attention(q, cache, meta, meta.groups[0], **args)
     assert meta.derived["no_context"] and ("mask", None) not in meta.derived
-    monkeypatch.setattr(reference, "_no_context", lambda meta: False)
+    monkeypatch.setattr(reference, "no_context", lambda meta: False)
     meta.derived.clear()
     masked = reference.paged_attention(q, cache, meta, meta.groups[0], **args)
     torch.testing.assert_close(causal, masked, rtol=1e-5, atol=1e-5)

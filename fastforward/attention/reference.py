@@ -56,7 +56,7 @@ def _mask(meta: AttentionMetadata, window: int | None, device: torch.device) -> 
     return mask.expand(b, max_q, max_kv)
 
 
-def _no_context(meta: AttentionMetadata) -> bool:
+def no_context(meta: AttentionMetadata) -> bool:
     """Whether every sequence's queries are all its tokens (no cached context before them)."""
     return bool(torch.equal(meta.seq_lens, meta.query_lens))
 
@@ -98,7 +98,7 @@ def paged_attention(
     index = meta.cached("pad_index", lambda: _pad_index(meta, q.device))
     qp = q[index.clamp(min=0)].transpose(1, 2)  # [B, H, max_q, D]
     k, v = _gather_kv(kv_cache, group, meta.max_seq_len, q.dtype, kv_scales)
-    if softcap is None and window is None and meta.cached("no_context", lambda: _no_context(meta)):
+    if softcap is None and window is None and meta.cached("no_context", lambda: no_context(meta)):
         # Plain causal (query i sees keys 0..i; padding rows are dropped below): SDPA's CPU
         # kernel then skips the key blocks above the diagonal, which it cannot see in a mask
         # (a 2,048-token prompt 18.5 -> 8.5 ms a layer, SmolLM2's heads, bf16, 2 threads).

@@ -4,10 +4,11 @@ backend for attention over the whole cached context."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fastforward.attention.metadata import AttentionMetadata, split_by_query_len
-from fastforward.attention.reference import paged_attention, write_kv
+from fastforward.attention.reference import no_context, paged_attention, write_kv
 
 # Steps whose longest query run is at most this many tokens (decode, small chunks) use the
 # native kernel. Longer prefills do too where bf16 queries meet a bf16 cache on a CPU with
@@ -98,9 +99,38 @@ class Attention(nn.Module):
             out = self._reference(q, meta)
         elif meta.max_query_len <= KERNEL_MAX_QUERY_LEN or self.takes_long_queries(q.dtype):
             out = self._kernel(q, meta)
+        elif self._one_fresh_prompt(k, meta):
+            out = self._fresh_prompt(q, k, v)
         else:
             out = self._mixed(q, meta)
         return out.flatten(1).to(dtype)
+
+    def _one_fresh_prompt(self, k: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """One sequence with no cached context, plain causal attention over a float cache of the
+        keys' dtype: its keys and values in the cache are exactly this step's k and v."""
+        return (
+            meta.num_seqs == 1
+            and self.sliding_window is None
+            and self.softcap is None
+            and self.kv_scales is None
+            and self.kv_cache is not None
+            and self.kv_cache.dtype == k.dtype
+            and meta.cached("no_context", lambda: no_context(meta))
+        )
+
+    def _fresh_prompt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """SDPA on this step's q, k, v as they are: what the reference path computes for one
+        fresh prompt without its gathers from the cache and scatter of the output (~7% of a
+        512-token prefill)."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
 
     def _kernel(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         group = meta.groups[self.group]
