@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastforward.attention.metadata import AttentionMetadata, split_by_query_len
-from fastforward.attention.reference import no_context, paged_attention, write_kv
+from fastforward.attention.reference import paged_attention, write_kv
 
 # Steps whose longest query run is at most this many tokens (decode, small chunks) use the
 # native kernel. Longer prefills do too where bf16 queries meet a bf16 cache on a CPU with
@@ -99,15 +99,15 @@ class Attention(nn.Module):
             out = self._reference(q, meta)
         elif meta.max_query_len <= KERNEL_MAX_QUERY_LEN or self.takes_long_queries(q.dtype):
             out = self._kernel(q, meta)
-        elif self._one_fresh_prompt(k, meta):
-            out = self._fresh_prompt(q, k, v)
+        elif self._one_prompt(k, meta):
+            out = self._prompt(q, k, v, meta)
         else:
             out = self._mixed(q, meta)
         return out.flatten(1).to(dtype)
 
-    def _one_fresh_prompt(self, k: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """One sequence with no cached context, plain causal attention over a float cache of the
-        keys' dtype: its keys and values in the cache are exactly this step's k and v."""
+    def _one_prompt(self, k: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """One sequence, plain causal attention over a float cache of the keys' dtype: its new
+        keys and values in the cache are exactly this step's k and v."""
         return (
             meta.num_seqs == 1
             and self.sliding_window is None
@@ -115,22 +115,50 @@ class Attention(nn.Module):
             and self.kv_scales is None
             and self.kv_cache is not None
             and self.kv_cache.dtype == k.dtype
-            and meta.cached("no_context", lambda: no_context(meta))
         )
 
-    def _fresh_prompt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """SDPA on this step's q, k, v as they are: what the reference path computes for one
-        fresh prompt without its gathers from the cache and scatter of the output (~7% of a
-        512-token prefill)."""
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            is_causal=True,
+    def _prompt(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """One prompt (or prompt chunk) through SDPA on the step's own q, k, v, without the
+        reference path's gathers, mask and scatter of the output. With no cached context that
+        is SDPA's causal mode (a 512-token prefill ~3,730 -> ~4,180 tok/s). With context, the
+        cached keys (all visible) and the new ones (causal) go through PyTorch's CPU flash
+        kernel separately and the two softmaxes are merged by their log-sum-exps: the explicit
+        mask made the kernel compute the blocks above the diagonal too (1,952 queries over
+        4,000 keys, SmolLM2's heads: 36.8 -> 28.5 ms a layer)."""
+        qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, T, D]
+        context = int(meta.seq_lens[0]) - q.shape[0]
+        if context == 0:
+            out = F.scaled_dot_product_attention(
+                qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+            return out[0].transpose(0, 1)
+        groups = self.num_heads // self.num_kv_heads
+        block = self.kv_cache.shape[2]
+        blocks = meta.groups[self.group].block_tables[0, : -(-context // block)]
+        cached = [
+            self.kv_cache[i][blocks].flatten(0, 1)[:context].transpose(0, 1)[None] for i in range(2)
+        ]  # [1, KVH, context, D]
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        old, lse_old = flash(
+            qh,
+            *(x.repeat_interleave(groups, dim=1) for x in cached),
+            0.0,
+            False,
             scale=self.scale,
-            enable_gqa=True,
         )
-        return out[0].transpose(0, 1)
+        new, lse_new = flash(
+            qh,
+            *(x.repeat_interleave(groups, dim=1) for x in (kh, vh)),
+            0.0,
+            True,
+            scale=self.scale,
+        )
+        lse = torch.logaddexp(lse_old, lse_new)
+        out = old.float() * (lse_old - lse).exp()[..., None]
+        out += new.float() * (lse_new - lse).exp()[..., None]
+        return out[0].transpose(0, 1).to(q.dtype)
 
     def _kernel(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         group = meta.groups[self.group]
