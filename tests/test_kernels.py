@@ -408,13 +408,22 @@ def test_attention_mixed_step_splits_decode_rows_from_prefill_chunks(monkeypatch
 
 
 @pytest.mark.parametrize(
-    ("context", "dtype"),
-    [(0, torch.float32), (0, torch.bfloat16), (9, torch.float32), (40, torch.bfloat16)],
+    ("context", "dtype", "amx"),
+    [
+        (0, torch.float32, False),
+        (0, torch.bfloat16, False),
+        (9, torch.float32, False),
+        (40, torch.bfloat16, False),
+        pytest.param(0, torch.bfloat16, True, marks=needs_amx),
+        pytest.param(40, torch.bfloat16, True, marks=needs_amx),
+    ],
 )
-def test_attention_one_prompt_skips_the_reference_path(monkeypatch, context, dtype):
-    """One prompt runs SDPA on the step's own q, k, v, without the reference path: with no
+def test_attention_one_prompt_skips_the_reference_path(monkeypatch, context, dtype, amx):
+    """One prompt runs on the step's own q, k, v, without the reference path: SDPA with no
     cached context in causal mode, with context (a partial block, several blocks) as the cached
-    keys and the new ones merged by their log-sum-exps; the reference path's output either way."""
+    keys and the new ones merged by their log-sum-exps, or (bf16 on an AMX CPU)
+    prefill_attention_amx over the cached keys and the new ones; the reference path's output
+    in every case."""
     import fastforward.layers.attention as attention_module
     from fastforward.layers.attention import Attention
 
@@ -430,6 +439,7 @@ def test_attention_one_prompt_skips_the_reference_path(monkeypatch, context, dty
         layer = Attention(h, kvh, d, d**-0.5)
         layer.kv_cache = cache.clone()
         layer.use_kernel = use_kernel
+        layer.kernel_prompts_amx = amx
         meta.derived.clear()
         return layer(q, k, v, meta)
 
@@ -443,6 +453,46 @@ def test_attention_one_prompt_skips_the_reference_path(monkeypatch, context, dty
     assert not calls
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("t", "s", "h", "kvh", "d"),
+    [(5, 5, 2, 1, 32), (40, 40, 9, 3, 64), (37, 100, 4, 2, 64), (100, 130, 4, 4, 128),
+     (1, 17, 2, 1, 32), (33, 33, 8, 1, 64)],
+)  # fmt: skip
+def test_prefill_attention_amx_matches_reference(t, s, h, kvh, d):
+    """Causal attention of t queries over s keys (the last t their own) on AMX tiles: GQA groups
+    of 1-8 heads (items take 3 at a time), head dims 32-128, a cached context, query counts
+    that are not multiples of 16; float64 softmax attention as the reference."""
+    g = torch.Generator().manual_seed(t + s + h)
+    q = torch.randn(t, h, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(s, kvh, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    out = kernels.ops().prefill_attention_amx(q, k, v, d**-0.5)
+    kk, vv = (x.double().repeat_interleave(h // kvh, dim=1) for x in (k, v))
+    scores = torch.einsum("thd,shd->hts", q.double(), kk) * d**-0.5
+    mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)
+    ref = torch.einsum("hts,shd->thd", scores.masked_fill(~mask, float("-inf")).softmax(-1), vv)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    # the weights rounded to bf16 (2^-9), then the output (2^-9)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+@needs_amx
+def test_prefill_attention_amx_rejects_bad_input():
+    ops = kernels.ops()
+    q = torch.randn(4, 2, 64).to(torch.bfloat16)
+    k = torch.randn(8, 1, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.prefill_attention_amx(q.float(), k, k, 0.1)
+    with pytest.raises(RuntimeError, match="fewer keys"):
+        ops.prefill_attention_amx(q, k[:3], k[:3], 0.1)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        ops.prefill_attention_amx(q[..., :48], k[..., :48], k[..., :48], 0.1)
+    with pytest.raises(RuntimeError, match="KV heads"):
+        ops.prefill_attention_amx(
+            q[:, :1].expand(4, 3, 64), k.expand(8, 2, 64), k.expand(8, 2, 64), 0.1
+        )
 
 
 def test_reference_causal_sdpa_equals_masked(monkeypatch):

@@ -120,6 +120,9 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
             module.use_kernel = True
         if isinstance(module, Attention):
             module.kernel_long_queries = long_queries
+            module.kernel_prompts_amx = dtype == torch.bfloat16 and bool(
+                kernels.ops().prefill_attention_amx_native(module.head_dim)
+            )
             report.attention_layers += 1
     if dtype != torch.bfloat16:
         return report

@@ -25,11 +25,12 @@ SOURCES = (
     "linear_q4.cpp",
     "linear_amx.cpp",
     "attention.cpp",
+    "attention_amx.cpp",
     "elementwise.cpp",
     "decoder.cpp",
     "ops.cpp",
 )
-HEADERS = ("vec.h", "ops.h")
+HEADERS = ("vec.h", "ops.h", "amx.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG")
 CSRC = Path(__file__).parent / "csrc"
 

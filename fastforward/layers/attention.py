@@ -56,6 +56,8 @@ class Attention(nn.Module):
         self.use_kernel = False
         # the kernel's bf16 path (AVX512-BF16) also takes long query runs (prefill)
         self.kernel_long_queries = False
+        # one bf16 prompt (chunk) at a time takes prefill_attention_amx (AMX CPUs)
+        self.kernel_prompts_amx = False
 
     def set_key_channel_scale(self, m: torch.Tensor | None) -> None:
         """Use per-channel key scale ``m [KVH, D]`` (equal within each RoPE pair), or none."""
@@ -120,26 +122,30 @@ class Attention(nn.Module):
     def _prompt(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """One prompt (or prompt chunk) through SDPA on the step's own q, k, v, without the
-        reference path's gathers, mask and scatter of the output. With no cached context that
-        is SDPA's causal mode (a 512-token prefill ~3,730 -> ~4,180 tok/s). With context, the
-        cached keys (all visible) and the new ones (causal) go through PyTorch's CPU flash
-        kernel separately and the two softmaxes are merged by their log-sum-exps: the explicit
-        mask made the kernel compute the blocks above the diagonal too (1,952 queries over
-        4,000 keys, SmolLM2's heads: 36.8 -> 28.5 ms a layer)."""
-        qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, T, D]
+        """One prompt (or prompt chunk) on the step's own q, k, v (and the cached context's
+        keys and values), without the reference path's gathers, mask and scatter of the
+        output."""
         context = int(meta.seq_lens[0]) - q.shape[0]
+        if self.kernel_prompts_amx and q.dtype == torch.bfloat16:
+            # AMX tiles (csrc/attention_amx.cpp): 1.4x PyTorch's flash attention on fresh
+            # prompts, 2x over a long context
+            if context:
+                old_k, old_v = self._cached(meta, context)
+                k, v = torch.cat((old_k, k)), torch.cat((old_v, v))
+            return torch.ops.fastforward.prefill_attention_amx(q, k, v, self.scale)
+        qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, T, D]
         if context == 0:
+            # SDPA's causal mode (a 512-token prefill ~3,730 -> ~4,180 tok/s)
             out = F.scaled_dot_product_attention(
                 qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True
             )
             return out[0].transpose(0, 1)
+        # The cached keys (all visible) and the new ones (causal) through PyTorch's CPU flash
+        # kernel separately, the two softmaxes merged by their log-sum-exps: the explicit mask
+        # made it compute the blocks above the diagonal too (1,952 queries over 4,000 keys,
+        # SmolLM2's heads: 36.8 -> 28.5 ms a layer).
         groups = self.num_heads // self.num_kv_heads
-        block = self.kv_cache.shape[2]
-        blocks = meta.groups[self.group].block_tables[0, : -(-context // block)]
-        cached = [
-            self.kv_cache[i][blocks].flatten(0, 1)[:context].transpose(0, 1)[None] for i in range(2)
-        ]  # [1, KVH, context, D]
+        cached = [x.transpose(0, 1)[None] for x in self._cached(meta, context)]  # [1, KVH, ctx, D]
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         old, lse_old = flash(
             qh,
@@ -159,6 +165,13 @@ class Attention(nn.Module):
         out = old.float() * (lse_old - lse).exp()[..., None]
         out += new.float() * (lse_new - lse).exp()[..., None]
         return out[0].transpose(0, 1).to(q.dtype)
+
+    def _cached(self, meta: AttentionMetadata, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one sequence's first ``context`` keys and values from the cache, [ctx, KVH, D]."""
+        block = self.kv_cache.shape[2]
+        blocks = meta.groups[self.group].block_tables[0, : -(-context // block)]
+        k, v = (self.kv_cache[i][blocks].flatten(0, 1)[:context] for i in range(2))
+        return k, v
 
     def _kernel(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         group = meta.groups[self.group]

@@ -19,15 +19,9 @@
 
 #include <algorithm>
 
+#include "amx.h"
 #include "ops.h"
 #include "vec.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define FF_AMX 1
-#endif
 
 namespace ff {
 namespace {
@@ -40,30 +34,7 @@ constexpr int64_t TILE = 512; // bf16 elements of one tile
 constexpr int64_t GROUP_BYTES = 256 << 10;  // weight blocks kept in L2 across row chunks
 
 #ifdef FF_AMX
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands a process AMX's tile state only on request (arch_prctl), once per process.
-bool amx_permitted() {
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return ok;
-}
-
-// Tiles 0-3: C (16 rows x 16 fp32), 4-5: A (16 rows x 32 bf16), 6-7: B (16 K pairs x 16
-// features).
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = TM;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+using amx::configure_tiles;
 
 // One pass over the weight blocks [b0, b1) (their tiles from wp on) for rows
 // [m0, m0 + 16 * mt) of the padded a: two blocks (32 features, a whole cache line of bf16
@@ -188,7 +159,7 @@ void expand_q4_block(const uint8_t* codes, int64_t quads, const uint16_t* sz, in
 
 bool amx_native() {
 #ifdef FF_AMX
-  return amx_permitted();
+  return amx::permitted();
 #else
   return false;
 #endif
@@ -221,7 +192,7 @@ at::Tensor pack_amx_weight(const at::Tensor& w) {
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
                       const std::optional<at::Tensor>& bias, bool fp32_out) {
 #ifdef FF_AMX
-  TORCH_CHECK(amx_permitted(), "linear_amx: the CPU or the kernel does not allow AMX");
+  TORCH_CHECK(amx::permitted(), "linear_amx: the CPU or the kernel does not allow AMX");
   TORCH_CHECK(wpacked.dim() == 4 && wpacked.size(2) == TK / 2 && wpacked.size(3) == 2 * TN &&
                   wpacked.scalar_type() == at::kBFloat16 && wpacked.is_contiguous(),
               "linear_amx: the weight must come from pack_amx_weight");
@@ -340,7 +311,7 @@ void expand_i8_block(const int8_t* codes, int64_t pairs, const float* sc,
 at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                          const at::Tensor& table, int64_t group_size) {
 #ifdef FF_AMX
-  TORCH_CHECK(amx_permitted(), "linear_q4_amx: the CPU or the kernel does not allow AMX");
+  TORCH_CHECK(amx::permitted(), "linear_q4_amx: the CPU or the kernel does not allow AMX");
   check_linear_q4(x, wq, sz, table, group_size);
   const int64_t nb = wq.size(0), quads = wq.size(1), K = quads * 4;
   const int64_t kc = (K + TK - 1) / TK, C = sz.size(2), G = K / group_size;
@@ -367,7 +338,7 @@ at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Te
 at::Tensor linear_i8g_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           int64_t group_size) {
 #ifdef FF_AMX
-  TORCH_CHECK(amx_permitted(), "linear_i8g_amx: the CPU or the kernel does not allow AMX");
+  TORCH_CHECK(amx::permitted(), "linear_i8g_amx: the CPU or the kernel does not allow AMX");
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) == TN && codes.size(3) == 2 &&
                   codes.scalar_type() == at::kChar && codes.is_contiguous(),
               "codes must be a contiguous [N/16, K/2, 16, 2] int8 tensor");
