@@ -181,6 +181,18 @@ def test_repetition_then_frequency_presence_combined():
     torch.testing.assert_close(logits, torch.tensor([[2.0, -10.5, 1.0]]))
 
 
+def test_tiny_repetition_penalty_keeps_masked_tokens_masked():
+    """A penalty that underflows float32 (1e-292, from a fuzzed request) must not turn a masked
+    (-inf) seen token into NaN, which argmax would pick past a grammar's mask, nor a positive
+    logit into inf."""
+    logits = torch.tensor([[NEG_INF, 2.0, -1.0, NEG_INF]])
+    req = make_request(prompt=[0, 1, 2], repetition_penalty=1.8833002977399206e-292)
+    apply_penalties(logits, [req])
+    assert logits[0, 0] == NEG_INF and logits[0, 3] == NEG_INF
+    assert torch.isfinite(logits[0, 1:3]).all() and logits[0, 1] > 1e30
+    assert int(logits.argmax()) == 1
+
+
 def test_penalty_changes_greedy_choice():
     logits = torch.tensor([[0.0, 1.0, 5.0, 4.0]])
     plain = make_request("a", prompt=[2], temperature=0.0)

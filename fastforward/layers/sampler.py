@@ -192,13 +192,16 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     sub = logits.index_select(0, row_idx)  # [R, V]
     counts = _token_counts(reqs, [r.output_token_ids for r in reqs], sub.shape[1], device)
 
-    rep = _param_tensor(reqs, "repetition_penalty", device).unsqueeze(1)  # [R, 1]
+    # A penalty under float32's smallest normal would be 0 here, and a masked -inf times 0 is
+    # NaN (which argmax picks): clamp it, and keep the divided logits finite.
+    finfo = torch.finfo(torch.float32)
+    rep = _param_tensor(reqs, "repetition_penalty", device).clamp(min=finfo.tiny).unsqueeze(1)
     if bool((rep != 1.0).any()):
         prompt_counts = _token_counts(
             reqs, [r.prompt_token_ids for r in reqs], sub.shape[1], device
         )
         seen = (prompt_counts > 0) | (counts > 0)  # [R, V]
-        penalized = torch.where(sub > 0, sub / rep, sub * rep)
+        penalized = torch.where(sub > 0, (sub / rep).clamp(max=finfo.max), sub * rep)
         sub = torch.where(seen, penalized, sub)
 
     freq = _param_tensor(reqs, "frequency_penalty", device).unsqueeze(1)  # [R, 1]
