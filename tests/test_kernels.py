@@ -363,17 +363,10 @@ def test_paged_attention_matches_reference(case, q_dtype, kv_dtype, block_size):
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("window", [None, 20])
-def test_attention_mixed_step_splits_decode_rows_from_prefill_chunks(monkeypatch, window):
-    """A step with prefill chunks longer than the kernel's limit and decode rows: the chunks go
-    to the reference SDPA path (padded among themselves only), the rest to the kernel, and the
-    output equals the reference path's over the whole step."""
-    import fastforward.layers.attention as attention_module
-    from fastforward.layers.attention import KERNEL_MAX_QUERY_LEN, Attention
-
-    query_lens, context_lens = [1, 40, 3, 1, 25, 1], [90, 0, 16, 7, 30, 200]
-    h, kvh, d, bs = 6, 2, 32, 16
-    cache, meta = _random_batch(query_lens, context_lens, kvh, d, bs, torch.float32, seed=3)
+def _attention_step(query_lens, context_lens, dtype, seed, h=6, kvh=2, d=32, bs=16):
+    """A cache, metadata whose slot mapping puts each query token at its position in its
+    sequence's blocks, and the step's q, k, v ([T, heads, D])."""
+    cache, meta = _random_batch(query_lens, context_lens, kvh, d, bs, dtype, seed=seed)
     table = meta.groups[0].block_tables
     slots = [
         int(table[i, p // bs]) * bs + p % bs
@@ -381,16 +374,39 @@ def test_attention_mixed_step_splits_decode_rows_from_prefill_chunks(monkeypatch
         for p in range(c, c + ql)
     ]
     meta.groups[0].slot_mapping = torch.tensor(slots)
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(seed + 1)
     t = sum(query_lens)
-    q, k, v = (torch.randn(t, n, d, generator=g) for n in (h, kvh, kvh))
+    qkv = tuple(torch.randn(t, n, d, generator=g).to(dtype) for n in (h, kvh, kvh))
+    return cache, meta, qkv
+
+
+def _run_attention_layer(step, use_kernel, sliding_window=None, **flags):
+    """One attention layer (flags: its attributes) over a fresh copy of the step's cache."""
+    from fastforward.layers.attention import Attention
+
+    cache, meta, (q, k, v) = step
+    layer = Attention(q.shape[1], k.shape[1], q.shape[2], q.shape[2] ** -0.5, sliding_window)
+    layer.kv_cache = cache.clone()
+    layer.use_kernel = use_kernel
+    for name, value in flags.items():
+        setattr(layer, name, value)
+    meta.derived.clear()
+    return layer(q, k, v, meta)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_attention_mixed_step_splits_decode_rows_from_prefill_chunks(monkeypatch, window):
+    """A step with prefill chunks longer than the kernel's limit and decode rows: the chunks go
+    to the reference SDPA path (padded among themselves only), the rest to the kernel, and the
+    output equals the reference path's over the whole step."""
+    import fastforward.layers.attention as attention_module
+    from fastforward.layers.attention import KERNEL_MAX_QUERY_LEN
+
+    query_lens, context_lens = [1, 40, 3, 1, 25, 1], [90, 0, 16, 7, 30, 200]
+    step = _attention_step(query_lens, context_lens, torch.float32, seed=3)
 
     def run(use_kernel):
-        layer = Attention(h, kvh, d, d**-0.5, sliding_window=window)
-        layer.kv_cache = cache.clone()
-        layer.use_kernel = use_kernel
-        meta.derived.clear()
-        return layer(q, k, v, meta)
+        return _run_attention_layer(step, use_kernel, sliding_window=window)
 
     ref = run(False)
     seen = []
@@ -425,23 +441,11 @@ def test_attention_one_prompt_skips_the_reference_path(monkeypatch, context, dty
     prefill_attention_amx over the cached keys and the new ones; the reference path's output
     in every case."""
     import fastforward.layers.attention as attention_module
-    from fastforward.layers.attention import Attention
 
-    h, kvh, d, bs, t = 6, 2, 32, 16, 40
-    cache, meta = _random_batch([t], [context], kvh, d, bs, dtype, seed=5)
-    table = meta.groups[0].block_tables
-    slots = [int(table[0, p // bs]) * bs + p % bs for p in range(context, context + t)]
-    meta.groups[0].slot_mapping = torch.tensor(slots)
-    g = torch.Generator().manual_seed(6)
-    q, k, v = (torch.randn(t, n, d, generator=g).to(dtype) for n in (h, kvh, kvh))
+    step = _attention_step([40], [context], dtype, seed=5)
 
     def run(use_kernel):
-        layer = Attention(h, kvh, d, d**-0.5)
-        layer.kv_cache = cache.clone()
-        layer.use_kernel = use_kernel
-        layer.kernel_prompts_amx = amx
-        meta.derived.clear()
-        return layer(q, k, v, meta)
+        return _run_attention_layer(step, use_kernel, kernel_prompts_amx=amx)
 
     ref = run(False)
     calls = []

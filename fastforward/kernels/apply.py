@@ -30,11 +30,6 @@ PACKED_ROWS_MAX_NATIVE_BF16 = 8
 # matrices took 9.7 ms packed / 9.8 ms AMX at 1 row, 9.8 / 9.6 at 2, 15.2 / 10.2 at 8 and
 # 22.8 / 9.7 at 16 (the weights from memory; a throwaway timing script).
 PACKED_ROWS_MAX_AMX = 1
-# With AMX, linear_q4 takes batches from 5 rows on AMX tiles, expanding the codes to bf16 tiles
-# once per call (csrc/linear_amx.cpp linear_q4_amx), which beats dequantizing the whole weight
-# for oneDNN at every batch size measured (SmolLM2's [3072, 576] gate/up at 2,048 rows: 4.3 ms
-# against 6.0 ms, at 256 rows 0.5 against 2.2): 4-bit layers take every batch there.
-Q4_ROWS_MAX_AMX = 1 << 62
 
 
 @dataclass(slots=True)
@@ -105,8 +100,6 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
                 module.use_native_kernel()
                 if module.native:
                     report.quantized.append(name)
-                    if kernels.ops().amx_native():
-                        module.native_rows_max = Q4_ROWS_MAX_AMX
     if dtype not in (torch.float32, torch.bfloat16):
         report.reason = f"no native kernels for {dtype}"
         return report

@@ -115,7 +115,6 @@ class Attention(nn.Module):
             and self.sliding_window is None
             and self.softcap is None
             and self.kv_scales is None
-            and self.kv_cache is not None
             and self.kv_cache.dtype == k.dtype
         )
 

@@ -50,6 +50,7 @@ class CodebookLinear(QuantizedLinear):
         self.scales = q4pack.pack_scales(self.scales)  # [N/16, K/g, 1, 16]
         self.centroids = torch.cat((self.centroids, self.centroids.new_zeros(16)))[:16]
         self.native = True
+        self.native_rows_max = q4pack.kernel_rows_max(type(self).native_rows_max)
 
     def _plain(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Indices (plain layout) and ``[N, K/g]`` scales, for checkpoints."""

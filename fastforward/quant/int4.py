@@ -48,6 +48,7 @@ class Int4Linear(QuantizedLinear):
         self.scales_and_zeros = q4pack.pack_scales(s, z)  # [N/16, K/g, 2, 16]
         self.levels = (torch.arange(16) - 8).to(KERNEL_DTYPE)
         self.native = True
+        self.native_rows_max = q4pack.kernel_rows_max(type(self).native_rows_max)
 
     @property
     def kernel_rows_max(self) -> int:

@@ -71,14 +71,11 @@ class Int8GroupLinear(QuantizedLinear):
         exact = torch.equal(half.float(), scales.float())
         self.scale_dtype = torch.float16 if exact else torch.float32  # what checkpoints store
         self.native = False  # codes and scales in linear_i8g_amx's layout (AMX CPUs)
-        self._set_plain(codes, scales.to(self.scale_dtype))
-
-    def _set_plain(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        """``codes [N, K]`` and ``scales [N, K/g]`` in the layout of the PyTorch path."""
-        n, k, g = self.out_features, self.in_features, self.group_size
+        g = self.group_size
         # group-major [B, N, g] so each group's codes are one contiguous matrix for bmm
         self.register_buffer("codes", codes.view(n, k // g, g).transpose(0, 1).contiguous())
-        self.register_buffer("scales", scales.t().contiguous().unsqueeze(-1))  # [B, N, 1]
+        store = scales.to(self.scale_dtype)
+        self.register_buffer("scales", store.t().contiguous().unsqueeze(-1))  # [B, N, 1]
         self.register_buffer("_ones", torch.ones(n, dtype=KERNEL_DTYPE), persistent=False)
 
     def use_native_kernel(self) -> None:
