@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -480,6 +482,69 @@ def test_prefill_attention_amx_matches_reference(t, s, h, kvh, d):
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     # the weights rounded to bf16 (2^-9), then the output (2^-9)
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+@needs_amx
+@pytest.mark.parametrize("amx_window", [None, 20])
+def test_attention_mixed_step_prompts_on_amx(monkeypatch, amx_window):
+    """A bf16 step of several prompt chunks (fresh, over a partial block and over several
+    blocks of context) and decode rows: the chunks go to prefill_attention_amx in one call
+    (each with its context), the decode rows to the paged kernel, and the output equals the
+    reference path's; with a sliding window the chunks stay on the reference path."""
+    import fastforward.layers.attention as attention_module
+
+    query_lens, context_lens = [1, 40, 30, 1, 25, 17], [90, 0, 9, 7, 50, 0]
+    step = _attention_step(query_lens, context_lens, torch.bfloat16, seed=11, h=9, kvh=3, d=64)
+
+    def run(use_kernel):
+        return _run_attention_layer(
+            step, use_kernel, sliding_window=amx_window, kernel_prompts_amx=True
+        )
+
+    ref = run(False)
+    calls, amx_calls = [], []
+    original, amx = attention_module.paged_attention, torch.ops.fastforward.prefill_attention_amx
+    monkeypatch.setattr(
+        attention_module, "paged_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    )
+
+    monkeypatch.setattr(
+        torch.ops.fastforward,
+        "prefill_attention_amx",
+        lambda *a: amx_calls.append(a[4].tolist()) or amx(*a),
+    )
+    out = run(True)
+    if amx_window is None:
+        assert not calls and amx_calls == [[0, 40, 70, 95, 112]]  # one call, all four chunks
+    else:
+        assert calls and not amx_calls
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+@needs_amx
+def test_prefill_attention_amx_several_sequences():
+    """Several sequences in one call (query / key ranges by q_start / k_start, contexts of 0-70
+    keys, an empty one) equal one call per sequence, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    tq, tk = [40, 0, 17, 1, 33], [40, 5, 87, 70, 33]
+    q = torch.randn(sum(tq), 9, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(sum(tk), 3, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    qs, ks = (torch.tensor([0, *itertools.accumulate(n)]) for n in (tq, tk))
+    out = kernels.ops().prefill_attention_amx(q, k, v, 0.125, qs, ks)
+    for b in range(len(tq)):
+        if tq[b]:
+            one = kernels.ops().prefill_attention_amx(
+                q[qs[b] : qs[b + 1]], k[ks[b] : ks[b + 1]], v[ks[b] : ks[b + 1]], 0.125
+            )
+            assert torch.equal(out[qs[b] : qs[b + 1]], one)
+    with pytest.raises(RuntimeError, match="fewer keys"):
+        kernels.ops().prefill_attention_amx(
+            q, k, v, 0.125, qs, torch.tensor([0, 40, 45, 132, 132, 235])
+        )
+    with pytest.raises(RuntimeError, match="go together"):
+        kernels.ops().prefill_attention_amx(q, k, v, 0.125, qs, None)
+    with pytest.raises(RuntimeError, match="run from 0"):
+        kernels.ops().prefill_attention_amx(q, k, v, 0.125, qs, ks + 1)
 
 
 @needs_amx

@@ -56,7 +56,7 @@ class Attention(nn.Module):
         self.use_kernel = False
         # the kernel's bf16 path (AVX512-BF16) also takes long query runs (prefill)
         self.kernel_long_queries = False
-        # one bf16 prompt (chunk) at a time takes prefill_attention_amx (AMX CPUs)
+        # bf16 prompt chunks take prefill_attention_amx (AMX CPUs)
         self.kernel_prompts_amx = False
 
     def set_key_channel_scale(self, m: torch.Tensor | None) -> None:
@@ -104,19 +104,44 @@ class Attention(nn.Module):
         elif self._one_prompt(k, meta):
             out = self._prompt(q, k, v, meta)
         else:
-            out = self._mixed(q, meta)
+            out = self._mixed(q, k, v, meta)
         return out.flatten(1).to(dtype)
 
     def _one_prompt(self, k: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """One sequence, plain causal attention over a float cache of the keys' dtype: its new
-        keys and values in the cache are exactly this step's k and v."""
+        """One sequence whose attention is plain causal (``_plain_causal``)."""
+        return meta.num_seqs == 1 and self._plain_causal(k)
+
+    def _plain_causal(self, k: torch.Tensor) -> bool:
+        """Plain causal attention over a float cache of the keys' dtype: the new keys and
+        values in the cache are exactly this step's k and v."""
         return (
-            meta.num_seqs == 1
-            and self.sliding_window is None
+            self.sliding_window is None
             and self.softcap is None
             and self.kv_scales is None
             and self.kv_cache.dtype == k.dtype
         )
+
+    def _prompts_amx(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The step's prompt chunks in one call on AMX tiles (csrc/attention_amx.cpp): each
+        sequence's queries over its cached context (read from the cache) and its own new keys
+        (this step's k and v)."""
+        starts = meta.query_start_loc
+        context = (meta.seq_lens - meta.query_lens).tolist()
+        if any(context):
+            bounds, ks, vs = starts.tolist(), [], []
+            for b, ctx in enumerate(context):
+                own = slice(bounds[b], bounds[b + 1])
+                old_k, old_v = self._cached(meta, ctx, seq=b)
+                ks += [old_k, k[own]]
+                vs += [old_v, v[own]]
+            k, v = torch.cat(ks), torch.cat(vs)
+            k_starts = torch.zeros_like(starts)
+            torch.cumsum(meta.seq_lens, 0, out=k_starts[1:])
+        else:
+            k_starts = starts
+        return torch.ops.fastforward.prefill_attention_amx(q, k, v, self.scale, starts, k_starts)
 
     def _prompt(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -124,14 +149,10 @@ class Attention(nn.Module):
         """One prompt (or prompt chunk) on the step's own q, k, v (and the cached context's
         keys and values), without the reference path's gathers, mask and scatter of the
         output."""
-        context = int(meta.seq_lens[0]) - q.shape[0]
         if self.kernel_prompts_amx and q.dtype == torch.bfloat16:
-            # AMX tiles (csrc/attention_amx.cpp): 1.4x PyTorch's flash attention on fresh
-            # prompts, 2x over a long context
-            if context:
-                old_k, old_v = self._cached(meta, context)
-                k, v = torch.cat((old_k, k)), torch.cat((old_v, v))
-            return torch.ops.fastforward.prefill_attention_amx(q, k, v, self.scale)
+            # AMX tiles: 1.4x PyTorch's flash attention on fresh prompts, 2x over a long context
+            return self._prompts_amx(q, k, v, meta)
+        context = int(meta.seq_lens[0]) - q.shape[0]
         qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, T, D]
         if context == 0:
             # SDPA's causal mode (a 512-token prefill ~3,730 -> ~4,180 tok/s)
@@ -165,10 +186,12 @@ class Attention(nn.Module):
         out += new.float() * (lse_new - lse).exp()[..., None]
         return out[0].transpose(0, 1).to(q.dtype)
 
-    def _cached(self, meta: AttentionMetadata, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The one sequence's first ``context`` keys and values from the cache, [ctx, KVH, D]."""
+    def _cached(
+        self, meta: AttentionMetadata, context: int, seq: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``seq``'s first ``context`` keys and values from the cache, [ctx, KVH, D]."""
         block = self.kv_cache.shape[2]
-        blocks = meta.groups[self.group].block_tables[0, : -(-context // block)]
+        blocks = meta.groups[self.group].block_tables[seq, : -(-context // block)]
         k, v = (self.kv_cache[i][blocks].flatten(0, 1)[:context] for i in range(2))
         return k, v
 
@@ -198,17 +221,25 @@ class Attention(nn.Module):
             kv_scales=self.kv_scales,
         )
 
-    def _mixed(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Long query runs (prefill chunks) through the reference path's SDPA, the short ones
-        (decode rows of the same step) through the kernel: padding a decode row to the longest
-        prefill chunk in SDPA's ``[B, max_q]`` layout would cost a whole chunk of queries."""
+    def _mixed(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Long query runs (prefill chunks) in one call on AMX tiles where the CPU has them,
+        else through the reference path's SDPA; the short ones (decode rows of the same step)
+        through the kernel: padding a decode row to the longest prefill chunk in SDPA's
+        ``[B, max_q]`` layout would cost a whole chunk of queries."""
+        amx = self.kernel_prompts_amx and q.dtype == torch.bfloat16 and self._plain_causal(k)
         split = meta.cached(
             "split_by_query_len", lambda: split_by_query_len(meta, KERNEL_MAX_QUERY_LEN)
         )
         if split is None:
-            return self._reference(q, meta)
+            return self._prompts_amx(q, k, v, meta) if amx else self._reference(q, meta)
         short, long = split
         out = torch.empty_like(q)
         out[short.rows] = self._kernel(q[short.rows], short.meta)
-        out[long.rows] = self._reference(q[long.rows], long.meta)
+        if amx:
+            rows = long.rows
+            out[rows] = self._prompts_amx(q[rows], k[rows], v[rows], long.meta)
+        else:
+            out[long.rows] = self._reference(q[long.rows], long.meta)
         return out

@@ -21,7 +21,8 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("linear_q4_amx(Tensor x, Tensor wq, Tensor sz, Tensor table, int group_size) -> Tensor",
         &ff::linear_q4_amx);
   m.def("prefill_attention_amx_native(int head_dim) -> bool", &ff::prefill_attention_amx_native);
-  m.def("prefill_attention_amx(Tensor q, Tensor k, Tensor v, float scale) -> Tensor",
+  m.def("prefill_attention_amx(Tensor q, Tensor k, Tensor v, float scale, Tensor? q_start=None, "
+        "Tensor? k_start=None) -> Tensor",
         &ff::prefill_attention_amx);
   m.def("linear_i8g_amx(Tensor x, Tensor codes, Tensor scales, int group_size) -> Tensor",
         &ff::linear_i8g_amx);

@@ -35,7 +35,8 @@ at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Te
                          const at::Tensor& table, int64_t group_size);
 bool prefill_attention_amx_native(int64_t head_dim);
 at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 double scale);
+                                 double scale, const c10::optional<at::Tensor>& q_start,
+                                 const c10::optional<at::Tensor>& k_start);
 at::Tensor linear_i8g_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           int64_t group_size);
 }  // namespace ff
