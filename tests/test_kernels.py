@@ -690,8 +690,9 @@ def test_paged_attention_int8_cache_matches_reference(case, q_dtype):
     reference path gathers and dequantizes."""
     query_lens, context_lens, h, kvh, d, window, softcap = case
     dense, meta = _random_batch(query_lens, context_lens, kvh, d, 16, torch.float32, seed=d)
-    cache, scales = quantize(dense * torch.rand(dense.shape[:-1])[..., None] * 4)
-    q = torch.randn(sum(query_lens), h, d).to(q_dtype)
+    g = torch.Generator().manual_seed(d + len(query_lens))
+    cache, scales = quantize(dense * torch.rand(dense.shape[:-1], generator=g)[..., None] * 4)
+    q = torch.randn(sum(query_lens), h, d, generator=g).to(q_dtype)
     group = meta.groups[0]
     kwargs = {"scale": d**-0.5, "window": window, "softcap": softcap}
     ref = paged_attention(q.float(), cache, meta, group, **kwargs, kv_scales=scales)
