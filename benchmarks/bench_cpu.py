@@ -196,6 +196,12 @@ def llamacpp_gguf(kind: str) -> Path:
     return out
 
 
+def _cpu_has_amx() -> bool:
+    from fastforward.kernels.apply import sdpa_has_amx
+
+    return sdpa_has_amx()  # PyTorch's probe of the AMX tile instructions
+
+
 def llamacpp_engine(kind: str, sz):
     """llama.cpp's own batched decoding (one llama_batch over many sequences, as its
     ``batched`` example and its server with parallel slots do), through the C API."""
@@ -206,6 +212,11 @@ def llamacpp_engine(kind: str, sz):
     path = llamacpp_gguf(kind)
     llama_cpp.llama_backend_init()
     mparams = llama_cpp.llama_model_default_params()
+    if kind != "bf16" and _cpu_has_amx():
+        # llama.cpp's AMX buffers for quantized weights (one of its "extra buffer types")
+        # crash llama-cpp-python 0.3.36 on the AMX Xeon we measure on (SIGSEGV with Q4_1 and
+        # Q8_0): load them without, so those weights run on llama.cpp's AVX-512 kernels
+        mparams.use_extra_bufts = False
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
     vocab = llama_cpp.llama_model_get_vocab(model)
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
