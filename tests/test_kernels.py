@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -503,15 +501,16 @@ def test_attention_mixed_step_prompts_on_amx(monkeypatch, amx_window):
 
     ref = run(False)
     calls, amx_calls = [], []
-    original, amx = attention_module.paged_attention, torch.ops.fastforward.prefill_attention_amx
+    original = attention_module.paged_attention
+    amx = torch.ops.fastforward.paged_prefill_attention_amx
     monkeypatch.setattr(
         attention_module, "paged_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw)
     )
 
     monkeypatch.setattr(
         torch.ops.fastforward,
-        "prefill_attention_amx",
-        lambda *a: amx_calls.append(a[4].tolist()) or amx(*a),
+        "paged_prefill_attention_amx",
+        lambda *a: amx_calls.append(a[3].tolist()) or amx(*a),
     )
     out = run(True)
     if amx_window is None:
@@ -522,29 +521,41 @@ def test_attention_mixed_step_prompts_on_amx(monkeypatch, amx_window):
 
 
 @needs_amx
-def test_prefill_attention_amx_several_sequences():
-    """Several sequences in one call (query / key ranges by q_start / k_start, contexts of 0-70
-    keys, an empty one) equal one call per sequence, bit for bit."""
-    g = torch.Generator().manual_seed(7)
-    tq, tk = [40, 0, 17, 1, 33], [40, 5, 87, 70, 33]
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("seqs", [5, 24])  # a few (items one by one) or many (whole groups)
+def test_paged_prefill_attention_amx_equals_one_sequence_at_a_time(block_size, seqs):
+    """The prompts of a step over the paged cache (contexts of 0-70 keys, a sequence with no
+    queries, shuffled blocks) equal prefill_attention_amx over each sequence's keys, bit for
+    bit; bad metadata is rejected."""
+    g = torch.Generator().manual_seed(seqs + block_size)
+    tq = [[40, 0, 17, 1, 33][i % 5] for i in range(seqs)]
+    ctx = [[0, 5, 70, 69, 0][i % 5] for i in range(seqs)]
+    cache, meta = _random_batch(tq, ctx, 3, 64, block_size, torch.bfloat16, seed=seqs)
     q = torch.randn(sum(tq), 9, 64, generator=g).to(torch.bfloat16)
-    k, v = (torch.randn(sum(tk), 3, 64, generator=g).to(torch.bfloat16) for _ in range(2))
-    qs, ks = (torch.tensor([0, *itertools.accumulate(n)]) for n in (tq, tk))
-    out = kernels.ops().prefill_attention_amx(q, k, v, 0.125, qs, ks)
-    for b in range(len(tq)):
+    table = meta.groups[0].block_tables
+    ops = kernels.ops()
+    out = ops.paged_prefill_attention_amx(
+        q, cache, table, meta.query_start_loc, meta.seq_lens, 0.125
+    )
+    qs = meta.query_start_loc.tolist()
+    for b in range(seqs):
         if tq[b]:
-            one = kernels.ops().prefill_attention_amx(
-                q[qs[b] : qs[b + 1]], k[ks[b] : ks[b + 1]], v[ks[b] : ks[b + 1]], 0.125
-            )
+            n = tq[b] + ctx[b]
+            blocks = table[b, : -(-n // block_size)]
+            k, v = (cache[i][blocks].flatten(0, 1)[:n] for i in range(2))
+            one = ops.prefill_attention_amx(q[qs[b] : qs[b + 1]], k, v, 0.125)
             assert torch.equal(out[qs[b] : qs[b + 1]], one)
-    with pytest.raises(RuntimeError, match="fewer keys"):
-        kernels.ops().prefill_attention_amx(
-            q, k, v, 0.125, qs, torch.tensor([0, 40, 45, 132, 132, 235])
+    args = (table, meta.query_start_loc, meta.seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="more queries than keys"):
+        ops.paged_prefill_attention_amx(
+            q, cache, table, meta.query_start_loc, meta.query_lens - 1, 0.125
         )
-    with pytest.raises(RuntimeError, match="go together"):
-        kernels.ops().prefill_attention_amx(q, k, v, 0.125, qs, None)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.paged_prefill_attention_amx(q, cache, table + cache.shape[1], *args[1:])
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.paged_prefill_attention_amx(q.float(), cache, *args)
     with pytest.raises(RuntimeError, match="run from 0"):
-        kernels.ops().prefill_attention_amx(q, k, v, 0.125, qs, ks + 1)
+        ops.paged_prefill_attention_amx(q[1:], cache, *args)
 
 
 @needs_amx

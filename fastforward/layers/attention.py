@@ -121,27 +121,18 @@ class Attention(nn.Module):
             and self.kv_cache.dtype == k.dtype
         )
 
-    def _prompts_amx(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def _prompts_amx(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The step's prompt chunks in one call on AMX tiles (csrc/attention_amx.cpp): each
-        sequence's queries over its cached context (read from the cache) and its own new keys
-        (this step's k and v)."""
-        starts = meta.query_start_loc
-        context = (meta.seq_lens - meta.query_lens).tolist()
-        if any(context):
-            bounds, ks, vs = starts.tolist(), [], []
-            for b, ctx in enumerate(context):
-                own = slice(bounds[b], bounds[b + 1])
-                old_k, old_v = self._cached(meta, ctx, seq=b)
-                ks += [old_k, k[own]]
-                vs += [old_v, v[own]]
-            k, v = torch.cat(ks), torch.cat(vs)
-            k_starts = torch.zeros_like(starts)
-            torch.cumsum(meta.seq_lens, 0, out=k_starts[1:])
-        else:
-            k_starts = starts
-        return torch.ops.fastforward.prefill_attention_amx(q, k, v, self.scale, starts, k_starts)
+        sequence's queries over its keys, its cached context and its own new ones, read in place
+        from the cache (this step's were just written)."""
+        return torch.ops.fastforward.paged_prefill_attention_amx(
+            q,
+            self.kv_cache,
+            meta.groups[self.group].block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+        )
 
     def _prompt(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -151,7 +142,7 @@ class Attention(nn.Module):
         output."""
         if self.kernel_prompts_amx and q.dtype == torch.bfloat16:
             # AMX tiles: 1.4x PyTorch's flash attention on fresh prompts, 2x over a long context
-            return self._prompts_amx(q, k, v, meta)
+            return self._prompts_amx(q, meta)
         context = int(meta.seq_lens[0]) - q.shape[0]
         qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, T, D]
         if context == 0:
@@ -186,12 +177,10 @@ class Attention(nn.Module):
         out += new.float() * (lse_new - lse).exp()[..., None]
         return out[0].transpose(0, 1).to(q.dtype)
 
-    def _cached(
-        self, meta: AttentionMetadata, context: int, seq: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence ``seq``'s first ``context`` keys and values from the cache, [ctx, KVH, D]."""
+    def _cached(self, meta: AttentionMetadata, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one sequence's first ``context`` keys and values from the cache, [ctx, KVH, D]."""
         block = self.kv_cache.shape[2]
-        blocks = meta.groups[self.group].block_tables[seq, : -(-context // block)]
+        blocks = meta.groups[self.group].block_tables[0, : -(-context // block)]
         k, v = (self.kv_cache[i][blocks].flatten(0, 1)[:context] for i in range(2))
         return k, v
 
@@ -233,13 +222,12 @@ class Attention(nn.Module):
             "split_by_query_len", lambda: split_by_query_len(meta, KERNEL_MAX_QUERY_LEN)
         )
         if split is None:
-            return self._prompts_amx(q, k, v, meta) if amx else self._reference(q, meta)
+            return self._prompts_amx(q, meta) if amx else self._reference(q, meta)
         short, long = split
         out = torch.empty_like(q)
         out[short.rows] = self._kernel(q[short.rows], short.meta)
         if amx:
-            rows = long.rows
-            out[rows] = self._prompts_amx(q[rows], k[rows], v[rows], long.meta)
+            out[long.rows] = self._prompts_amx(q[long.rows], long.meta)
         else:
             out[long.rows] = self._reference(q[long.rows], long.meta)
         return out

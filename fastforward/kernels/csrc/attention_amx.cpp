@@ -14,9 +14,9 @@
 // add the rounded ones, through vdpbf16ps), so their exponential needs only a degree-4
 // polynomial.
 //
-// Q^T, V^T and the output are transposed 16 x 16 (32-bit lanes) in registers. Several
-// sequences (the prompts of one step) go in one call, their query blocks taken longest first
-// from a shared counter.
+// Q^T, V^T and the output are transposed 16 x 16 (32-bit lanes) in registers. The prompts of
+// a step go in one call (paged_prefill_attention_amx), their keys read from the block-paged
+// cache through the block tables.
 //
 // Against PyTorch's CPU flash attention (AMX Xeon, 2 threads, SmolLM2's 9 heads over 3 KV
 // heads, a throwaway timing script), a layer: 512 fresh tokens 0.40-0.56 vs 0.80-0.99 ms,
@@ -47,31 +47,33 @@ constexpr int64_t D_MAX = 256;
 // One KV head's K as contiguous rows [Sp][D] (zero past S) for A tiles of 16 keys, and V^T
 // as A tiles of P V: vt[vb][n] = 16 dims (16n + d) x 32 keys (32vb + j), zero past S. A V^T
 // tile is 16 key pairs (one 32-bit lane each: the pair's two values of a dimension) by 16
-// dimensions, transposed in registers.
-void pack_head(const uint16_t* k, const uint16_t* v, int64_t S, int64_t stride, int64_t D,
-               uint16_t* kpad, uint16_t* vt) {
+// dimensions, transposed in registers. rows(k0, n, kr, vr): the K and V rows of keys k0 .. k0 + n.
+template <typename Rows>
+void pack_head(Rows rows, int64_t S, int64_t D, uint16_t* kpad, uint16_t* vt) {
   const int64_t vbs = (S + KS - 1) / KS, ns = D / TR;
-  for (int64_t key = 0; key < vbs * KS; ++key) {
-    if (key < S) std::memcpy(kpad + key * D, k + key * stride, D * sizeof(uint16_t));
-    else std::memset(kpad + key * D, 0, D * sizeof(uint16_t));
-  }
   const __m256i none = _mm256_setzero_si256();
-  auto dims = [&](int64_t key, int64_t n) {  // key's 16 values of dims 16n .., zero past S
-    return key < S ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + key * stride + n * TR))
-                   : none;
-  };
-  for (int64_t vb = 0; vb < vbs; ++vb)
-    for (int64_t n = 0; n < ns; ++n) {
+  const uint16_t* kr[KS];
+  const uint16_t* vr[KS];
+  for (int64_t vb = 0; vb < vbs; ++vb) {
+    const int64_t k0 = vb * KS, n = std::min(KS, S - k0);
+    rows(k0, n, kr, vr);
+    for (int64_t j = 0; j < KS; ++j) {
+      if (j < n) std::memcpy(kpad + (k0 + j) * D, kr[j], D * sizeof(uint16_t));
+      else std::memset(kpad + (k0 + j) * D, 0, D * sizeof(uint16_t));
+    }
+    auto dims = [&](int64_t j, int64_t c) {  // key k0 + j's 16 values of dims 16c .., zero past S
+      return j < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[j] + c * TR)) : none;
+    };
+    for (int64_t c = 0; c < ns; ++c) {
       __m512i r[TR];  // r[pair] lane d: (v[2 pair][d], v[2 pair + 1][d])
-      for (int64_t jp = 0; jp < TR; ++jp) {
-        const int64_t key = vb * KS + 2 * jp;
-        r[jp] = _mm512_or_si512(_mm512_cvtepu16_epi32(dims(key, n)),
-                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(dims(key + 1, n)), 16));
-      }
+      for (int64_t jp = 0; jp < TR; ++jp)
+        r[jp] = _mm512_or_si512(_mm512_cvtepu16_epi32(dims(2 * jp, c)),
+                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(dims(2 * jp + 1, c)), 16));
       transpose16(r);
-      uint16_t* t = vt + (vb * ns + n) * TILE;
+      uint16_t* t = vt + (vb * ns + c) * TILE;
       for (int64_t d = 0; d < TR; ++d) _mm512_storeu_si512(t + d * KS, r[d]);
     }
+  }
 }
 
 // 2^x lane by lane for the softmax weights, which are rounded to bf16 (2^-9) right after: a
@@ -217,6 +219,94 @@ void attend(const Shapes& g, const uint16_t* q, const uint16_t* kpad, const uint
   }
 }
 
+// The prompts of a step: sequence b's queries are rows qs[b] .. qs[b + 1] of q [T, H, D] and
+// its keys 0 .. S[b] (the last qs[b + 1] - qs[b] its own); pack(b, h, kpad, vt) packs its KV
+// head h. Work goes out from a shared counter, sequences with the most work first. With enough
+// (sequence, KV head) groups to keep the threads busy, a thread takes a whole group: it packs
+// the group's K and V^T into its own buffer and runs all its items (chunks of query heads x
+// query blocks) while they are in its cache (32 prompts of 50 tokens over 1,536 cached keys
+// spent most of their time re-reading packed keys from memory when all were packed first).
+// Otherwise (one long prompt: 3 groups on 2 threads) every group is packed first and the items
+// go out one by one, the longest query blocks first.
+template <typename Pack>
+void attend_prompts(const uint16_t* qp, uint16_t* op, int64_t H, int64_t KVH, int64_t D,
+                    float scale, const std::vector<int64_t>& qs, const std::vector<int64_t>& S,
+                    Pack&& pack) {
+  const int64_t B = int64_t(S.size());
+  auto k_size = [&](int64_t b) { return (S[b] + KS - 1) / KS * KS * D; };
+  auto head_size = [&](int64_t b) { return 2 * k_size(b); };  // K, then V^T (as many bf16)
+  const int64_t group = H / KVH, chunks = (group + GMAX - 1) / GMAX;
+  std::vector<int64_t> order(B);
+  for (int64_t b = 0; b < B; ++b) order[b] = b;
+  auto work = [&](int64_t b) {  // ~ query-key pairs
+    const int64_t t = qs[b + 1] - qs[b];
+    return t * (S[b] - t) + t * t / 2;
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return work(a) > work(b); });
+  // item: chunk c of the query heads of KV head h, query block from t0, of sequence b
+  auto run_item = [&](int64_t b, int64_t h, int64_t c0, int64_t t0, const uint16_t* kpad) {
+    const Shapes g{qs[b + 1] - qs[b], S[b], H, KVH, D, scale};
+    attend(g, qp + qs[b] * H * D, kpad, kpad + k_size(b), h * group + c0,
+           std::min(GMAX, group - c0), t0, op + qs[b] * H * D);
+  };
+  auto blocks_desc = [&](int64_t b, auto&& f) {  // a sequence's query blocks, longest first
+    for (int64_t t0 = (qs[b + 1] - qs[b] - 1) / TR * TR; t0 >= 0; t0 -= TR) f(t0);
+  };
+  const int64_t threads = at::get_num_threads();
+  std::atomic<int64_t> next{0};
+  if (B * KVH >= 4 * threads) {
+    int64_t max_size = 0;
+    for (int64_t b = 0; b < B; ++b) max_size = std::max(max_size, head_size(b));
+    at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
+      std::vector<uint16_t> buf(max_size);
+      amx::configure_tiles();
+      for (int64_t w = w0; w < w1; ++w)
+        for (int64_t i = next++; i < B * KVH; i = next++) {
+          const int64_t b = order[i / KVH], h = i % KVH;
+          if (qs[b + 1] == qs[b]) continue;
+          pack(b, h, buf.data(), buf.data() + k_size(b));
+          for (int64_t c = 0; c < chunks; ++c)
+            blocks_desc(b, [&](int64_t t0) { run_item(b, h, c * GMAX, t0, buf.data()); });
+        }
+      _tile_release();
+    });
+    return;
+  }
+  std::vector<int64_t> base(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) base[b + 1] = base[b] + KVH * head_size(b);
+  std::vector<uint16_t> packed(base[B]);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / KVH, h = i % KVH;
+      uint16_t* dst = packed.data() + base[b] + h * head_size(b);
+      pack(b, h, dst, dst + k_size(b));
+    }
+  });
+  struct Work {
+    int64_t seq, t0, kvh, c0;
+  };
+  std::vector<Work> items;
+  for (int64_t b : order)
+    blocks_desc(b, [&](int64_t t0) {
+      for (int64_t h = 0; h < KVH; ++h)
+        for (int64_t c = 0; c < chunks; ++c) items.push_back({b, t0, h, c * GMAX});
+    });
+  std::stable_sort(items.begin(), items.end(), [&](const Work& a, const Work& b) {
+    return S[a.seq] - (qs[a.seq + 1] - qs[a.seq]) + a.t0 > S[b.seq] - (qs[b.seq + 1] - qs[b.seq]) + b.t0;
+  });
+  const int64_t n = int64_t(items.size());
+  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t w0, int64_t w1) {
+    amx::configure_tiles();
+    for (int64_t w = w0; w < w1; ++w)
+      for (int64_t i = next++; i < n; i = next++) {
+        const Work& it = items[i];
+        run_item(it.seq, it.kvh, it.c0, it.t0, packed.data() + base[it.seq] + it.kvh * head_size(it.seq));
+      }
+    _tile_release();
+  });
+}
+
 }  // namespace
 #endif
 
@@ -229,103 +319,108 @@ bool prefill_attention_amx_native(int64_t head_dim) {
 #endif
 }
 
-// The sequences' query and key ranges: q_start / k_start [B + 1] (int64, from 0 to T / S,
-// nondecreasing, each sequence with at least as many keys as queries), or one sequence.
-static std::vector<int64_t> seq_starts(const c10::optional<at::Tensor>& starts, int64_t total,
-                                const char* name) {
-  if (!starts) return {0, total};
-  const at::Tensor& t = *starts;
-  TORCH_CHECK(t.dim() == 1 && t.size(0) >= 2 && t.scalar_type() == at::kLong,
-              name, " must be a 1-D int64 tensor of B + 1 offsets");
-  auto c = t.contiguous();
-  std::vector<int64_t> v(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-  TORCH_CHECK(v.front() == 0 && v.back() == total, name, " must run from 0 to ", total);
-  for (size_t i = 1; i < v.size(); ++i)
-    TORCH_CHECK(v[i] >= v[i - 1], name, " must be nondecreasing");
-  return v;
+// Checks shared by both ops: bf16, [T, H, D] queries, GQA, a head dim the tiles take.
+static void check_prompt_queries(const at::Tensor& q, int64_t KVH) {
+  TORCH_CHECK(q.dim() == 3, "q must be [T, H, D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "prefill_attention_amx takes bf16 q, k, v");
+  TORCH_CHECK(KVH > 0 && q.size(1) % KVH == 0, "heads ", q.size(1), " / KV heads ", KVH,
+              " mismatch");
+  TORCH_CHECK(prefill_attention_amx_native(q.size(2)), "prefill_attention_amx: needs AMX and a "
+              "head_dim that is a multiple of 32 up to 256, got ", q.size(2));
 }
 
 // out [T, H, D] = causal attention of q [T, H, D] over k, v [S, KVH, D] (S >= T: the last T
-// keys are the queries' own), all bf16. Several sequences (prompts of one step) at once:
-// sequence b's queries are rows q_start[b] .. q_start[b + 1] and its keys k_start[b] ..
-// k_start[b + 1], its cached context first.
+// keys are the queries' own), all bf16.
 at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 double scale, const c10::optional<at::Tensor>& q_start,
-                                 const c10::optional<at::Tensor>& k_start) {
+                                 double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
               "q must be [T, H, D], k and v [S, KVH, D]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16,
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "prefill_attention_amx takes bf16 q, k, v");
+  TORCH_CHECK(k.size(2) == q.size(2), "head_dim of q and k differ");
+  check_prompt_queries(q, k.size(1));
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), S = k.size(0), KVH = k.size(1);
-  TORCH_CHECK(k.size(2) == D && KVH > 0 && H % KVH == 0, "heads ", H, " / KV heads ", KVH,
-              " or head_dim mismatch");
-  TORCH_CHECK(q_start.has_value() == k_start.has_value(),
-              "q_start and k_start go together");
-  const auto qs = seq_starts(q_start, T, "q_start"), ks = seq_starts(k_start, S, "k_start");
-  TORCH_CHECK(qs.size() == ks.size(), "q_start and k_start must have the same length");
-  const int64_t B = int64_t(qs.size()) - 1;
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(ks[b + 1] - ks[b] >= qs[b + 1] - qs[b], "fewer keys (", ks[b + 1] - ks[b],
-                ") than queries (", qs[b + 1] - qs[b], ") in sequence ", b);
-  TORCH_CHECK(prefill_attention_amx_native(D), "prefill_attention_amx: needs AMX and a head_dim "
-              "that is a multiple of 32 up to 256, got ", D);
+  TORCH_CHECK(S >= T, "fewer keys (", S, ") than queries (", T, ")");
 #ifdef FF_AMX
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   auto out = at::empty_like(qc);
   if (T == 0) return out;
-  // each sequence's K and V^T packed per KV head: offsets into one buffer
-  std::vector<int64_t> k_size(B), head_size(B), base(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t vbs = (ks[b + 1] - ks[b] + KS - 1) / KS;
-    k_size[b] = vbs * KS * D;
-    head_size[b] = k_size[b] + vbs * (D / TR) * TILE;
-    base[b + 1] = base[b] + KVH * head_size[b];
-  }
-  std::vector<uint16_t> packed(base[B]);
   const auto* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr());
-  at::parallel_for(0, B * KVH, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / KVH, h = i % KVH;
-      uint16_t* dst = packed.data() + base[b] + h * head_size[b];
-      pack_head(kp + (ks[b] * KVH + h) * D, vp + (ks[b] * KVH + h) * D, ks[b + 1] - ks[b],
-                KVH * D, D, dst, dst + k_size[b]);
-    }
-  });
-  const int64_t group = H / KVH, chunks = (group + GMAX - 1) / GMAX;
-  const int64_t per_block = KVH * chunks;  // items per query block: KV head x chunk of heads
-  // query blocks (sequence, first row), longest key range first: threads take them from a
-  // shared counter, so the long ones start early and the short ones fill in at the end
-  struct Block {
-    int64_t seq, t0, keys;
-  };
-  std::vector<Block> blocks;
+  attend_prompts(reinterpret_cast<const uint16_t*>(qc.data_ptr()),
+                 reinterpret_cast<uint16_t*>(out.data_ptr()), H, KVH, D, float(scale), {0, T},
+                 {S}, [&](int64_t, int64_t h, uint16_t* kpad, uint16_t* vt) {
+                   pack_head([&](int64_t k0, int64_t n, const uint16_t** kr, const uint16_t** vr) {
+                     for (int64_t j = 0; j < n; ++j) {
+                       const int64_t o = ((k0 + j) * KVH + h) * D;
+                       kr[j] = kp + o;
+                       vr[j] = vp + o;
+                     }
+                   }, S, D, kpad, vt);
+                 });
+  return out;
+#else
+  return at::Tensor();
+#endif
+}
+
+// The prompt chunks of a step over the block-paged cache [2, NB, BS, KVH, D] (bf16; this
+// step's keys and values already written): sequence b's queries are rows query_start_loc[b] ..
+// query_start_loc[b + 1] of q, the last of its seq_lens[b] keys, which are read in place through
+// its row of block_tables (its cached context first). The same attention as
+// prefill_attention_amx over each sequence's keys, bit for bit.
+at::Tensor paged_prefill_attention_amx(const at::Tensor& q, const at::Tensor& kv_cache,
+                                       const at::Tensor& block_tables,
+                                       const at::Tensor& query_start_loc,
+                                       const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.scalar_type() == at::kBFloat16,
+              "kv_cache must be a contiguous bf16 [2, num_blocks, block_size, KVH, D] tensor");
+  check_prompt_queries(q, kv_cache.size(3));
+  TORCH_CHECK(kv_cache.size(4) == q.size(2), "head_dim of q and the cache differ");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong &&
+                  seq_lens.scalar_type() == at::kLong && query_start_loc.dim() == 1 &&
+                  seq_lens.dim() == 1,
+              "block_tables [B, W], query_start_loc [B + 1] and seq_lens [B] must be int64");
+  const int64_t B = seq_lens.size(0), NB = kv_cache.size(1), BS = kv_cache.size(2);
+  TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_tables.size(0) == B,
+              "metadata sizes disagree");
+  auto qsl = query_start_loc.contiguous(), sl = seq_lens.contiguous();
+  auto tables = block_tables.contiguous();
+  const std::vector<int64_t> qs(qsl.data_ptr<int64_t>(), qsl.data_ptr<int64_t>() + B + 1);
+  const std::vector<int64_t> S(sl.data_ptr<int64_t>(), sl.data_ptr<int64_t>() + B);
+  const int64_t W = tables.size(1);
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[B] == q.size(0), "query_start_loc must run from 0 to ", q.size(0));
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t t = qs[b + 1] - qs[b], offset = ks[b + 1] - ks[b] - t;
-    for (int64_t t0 = 0; t0 < t; t0 += TR) blocks.push_back({b, t0, offset + std::min(t, t0 + TR)});
+    TORCH_CHECK(qs[b + 1] >= qs[b] && qs[b + 1] - qs[b] <= S[b], "sequence ", b,
+                " has more queries than keys");
+    TORCH_CHECK((S[b] + BS - 1) / BS <= W, "sequence ", b, " outgrows its block table");
+    for (int64_t i = 0; i < (S[b] + BS - 1) / BS; ++i)
+      TORCH_CHECK(tab[b * W + i] >= 0 && tab[b * W + i] < NB, "block ", tab[b * W + i],
+                  " outside the cache");
   }
-  std::stable_sort(blocks.begin(), blocks.end(),
-                   [](const Block& a, const Block& b) { return a.keys > b.keys; });
-  const int64_t items = int64_t(blocks.size()) * per_block;
-  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
-  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
-    amx::configure_tiles();
-    for (int64_t w = w0; w < w1; ++w)
-      for (int64_t i = next++; i < items; i = next++) {
-        const Block& blk = blocks[i / per_block];
-        const int64_t rest = i % per_block, b = blk.seq;
-        const int64_t kvh = rest / chunks, c0 = rest % chunks * GMAX;
-        const Shapes g{qs[b + 1] - qs[b], ks[b + 1] - ks[b], H, KVH, D, float(scale)};
-        const uint16_t* kpad = packed.data() + base[b] + kvh * head_size[b];
-        attend(g, qp + qs[b] * H * D, kpad, kpad + k_size[b], kvh * group + c0,
-               std::min(GMAX, group - c0), blk.t0, op + qs[b] * H * D);
-      }
-    _tile_release();
-  });
+#ifdef FF_AMX
+  auto qc = q.contiguous();
+  auto out = at::empty_like(qc);
+  if (q.size(0) == 0) return out;
+  const int64_t H = q.size(1), D = q.size(2), KVH = kv_cache.size(3);
+  const auto* cp = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr());
+  const int64_t half = NB * BS * KVH * D;  // K half -> V half
+  attend_prompts(reinterpret_cast<const uint16_t*>(qc.data_ptr()),
+                 reinterpret_cast<uint16_t*>(out.data_ptr()), H, KVH, D, float(scale), qs, S,
+                 [&](int64_t b, int64_t h, uint16_t* kpad, uint16_t* vt) {
+                   const int64_t* row = tab + b * W;
+                   pack_head([&](int64_t k0, int64_t n, const uint16_t** kr, const uint16_t** vr) {
+                     int64_t blk = k0 / BS, off = k0 % BS;  // one division per 32 keys
+                     for (int64_t j = 0; j < n; ++j) {
+                       kr[j] = cp + ((row[blk] * BS + off) * KVH + h) * D;
+                       vr[j] = kr[j] + half;
+                       if (++off == BS) off = 0, ++blk;
+                     }
+                   }, S[b], D, kpad, vt);
+                 });
   return out;
 #else
   return at::Tensor();

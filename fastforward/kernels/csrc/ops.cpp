@@ -21,9 +21,12 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("linear_q4_amx(Tensor x, Tensor wq, Tensor sz, Tensor table, int group_size) -> Tensor",
         &ff::linear_q4_amx);
   m.def("prefill_attention_amx_native(int head_dim) -> bool", &ff::prefill_attention_amx_native);
-  m.def("prefill_attention_amx(Tensor q, Tensor k, Tensor v, float scale, Tensor? q_start=None, "
-        "Tensor? k_start=None) -> Tensor",
+  m.def("prefill_attention_amx(Tensor q, Tensor k, Tensor v, float scale) -> Tensor",
         &ff::prefill_attention_amx);
+  m.def(
+      "paged_prefill_attention_amx(Tensor q, Tensor kv_cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor",
+      &ff::paged_prefill_attention_amx);
   m.def("linear_i8g_amx(Tensor x, Tensor codes, Tensor scales, int group_size) -> Tensor",
         &ff::linear_i8g_amx);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor", &ff::rms_norm);

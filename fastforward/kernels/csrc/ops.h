@@ -35,8 +35,11 @@ at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Te
                          const at::Tensor& table, int64_t group_size);
 bool prefill_attention_amx_native(int64_t head_dim);
 at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 double scale, const c10::optional<at::Tensor>& q_start,
-                                 const c10::optional<at::Tensor>& k_start);
+                                 double scale);
+at::Tensor paged_prefill_attention_amx(const at::Tensor& q, const at::Tensor& kv_cache,
+                                       const at::Tensor& block_tables,
+                                       const at::Tensor& query_start_loc,
+                                       const at::Tensor& seq_lens, double scale);
 at::Tensor linear_i8g_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           int64_t group_size);
 }  // namespace ff
