@@ -104,7 +104,7 @@ class Attention(nn.Module):
         elif self._one_prompt(k, meta):
             out = self._prompt(q, k, v, meta)
         else:
-            out = self._mixed(q, k, v, meta)
+            out = self._mixed(q, k, meta)
         return out.flatten(1).to(dtype)
 
     def _one_prompt(self, k: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -210,13 +210,12 @@ class Attention(nn.Module):
             kv_scales=self.kv_scales,
         )
 
-    def _mixed(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def _mixed(self, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Long query runs (prefill chunks) in one call on AMX tiles where the CPU has them,
         else through the reference path's SDPA; the short ones (decode rows of the same step)
         through the kernel: padding a decode row to the longest prefill chunk in SDPA's
-        ``[B, max_q]`` layout would cost a whole chunk of queries."""
+        ``[B, max_q]`` layout would cost a whole chunk of queries. (``k``: the step's keys, whose
+        dtype says whether the cache holds them as they are.)"""
         amx = self.kernel_prompts_amx and q.dtype == torch.bfloat16 and self._plain_causal(k)
         split = meta.cached(
             "split_by_query_len", lambda: split_by_query_len(meta, KERNEL_MAX_QUERY_LEN)

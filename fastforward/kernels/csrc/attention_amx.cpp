@@ -212,9 +212,11 @@ void attend(const Shapes& g, const uint16_t* q, const uint16_t* kpad, const uint
       for (int64_t d = 0; d < TR; ++d)
         r[d] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(acc[gi][n * TR + d]), inv));
       transpose16(r);
-      for (int64_t qi = 0; qi < rows; ++qi)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ((t0 + qi) * g.H + h0 + gi) * D + n * TR),
+      for (int64_t qi = 0; qi < rows; ++qi) {
+        uint16_t* o = out + ((t0 + qi) * g.H + h0 + gi) * D + n * TR;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
                             (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[qi])));
+      }
     }
   }
 }
@@ -292,16 +294,19 @@ void attend_prompts(const uint16_t* qp, uint16_t* op, int64_t H, int64_t KVH, in
       for (int64_t h = 0; h < KVH; ++h)
         for (int64_t c = 0; c < chunks; ++c) items.push_back({b, t0, h, c * GMAX});
     });
-  std::stable_sort(items.begin(), items.end(), [&](const Work& a, const Work& b) {
-    return S[a.seq] - (qs[a.seq + 1] - qs[a.seq]) + a.t0 > S[b.seq] - (qs[b.seq + 1] - qs[b.seq]) + b.t0;
-  });
+  auto keys_seen = [&](const Work& w) {  // by the block's first query: context + t0
+    return S[w.seq] - (qs[w.seq + 1] - qs[w.seq]) + w.t0;
+  };
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const Work& a, const Work& b) { return keys_seen(a) > keys_seen(b); });
   const int64_t n = int64_t(items.size());
   at::parallel_for(0, std::min(threads, n), 1, [&](int64_t w0, int64_t w1) {
     amx::configure_tiles();
     for (int64_t w = w0; w < w1; ++w)
       for (int64_t i = next++; i < n; i = next++) {
         const Work& it = items[i];
-        run_item(it.seq, it.kvh, it.c0, it.t0, packed.data() + base[it.seq] + it.kvh * head_size(it.seq));
+        const uint16_t* kpad = packed.data() + base[it.seq] + it.kvh * head_size(it.seq);
+        run_item(it.seq, it.kvh, it.c0, it.t0, kpad);
       }
     _tile_release();
   });
