@@ -121,6 +121,11 @@ class Attention(nn.Module):
             and self.kv_cache.dtype == k.dtype
         )
 
+    def _prompts_on_amx(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether this step's prompt chunks go to ``_prompts_amx``: bf16, on an AMX CPU, plain
+        causal attention (``_plain_causal``)."""
+        return self.kernel_prompts_amx and q.dtype == torch.bfloat16 and self._plain_causal(k)
+
     def _prompts_amx(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The step's prompt chunks in one call on AMX tiles (csrc/attention_amx.cpp): each
         sequence's queries over its keys, its cached context and its own new ones, read in place
@@ -140,8 +145,8 @@ class Attention(nn.Module):
         """One prompt (or prompt chunk) on the step's own q, k, v (and the cached context's
         keys and values), without the reference path's gathers, mask and scatter of the
         output."""
-        if self.kernel_prompts_amx and q.dtype == torch.bfloat16:
-            # AMX tiles: 1.4x PyTorch's flash attention on fresh prompts, 2x over a long context
+        if self._prompts_on_amx(q, k):
+            # AMX tiles: 1.6-2x PyTorch's flash attention on fresh prompts, ~2x over a long context
             return self._prompts_amx(q, meta)
         context = int(meta.seq_lens[0]) - q.shape[0]
         qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, T, D]
@@ -214,9 +219,9 @@ class Attention(nn.Module):
         """Long query runs (prefill chunks) in one call on AMX tiles where the CPU has them,
         else through the reference path's SDPA; the short ones (decode rows of the same step)
         through the kernel: padding a decode row to the longest prefill chunk in SDPA's
-        ``[B, max_q]`` layout would cost a whole chunk of queries. (``k``: the step's keys, whose
-        dtype says whether the cache holds them as they are.)"""
-        amx = self.kernel_prompts_amx and q.dtype == torch.bfloat16 and self._plain_causal(k)
+        ``[B, max_q]`` layout would cost a whole chunk of queries. (``k``: the step's keys, for
+        ``_prompts_on_amx``.)"""
+        amx = self._prompts_on_amx(q, k)
         split = meta.cached(
             "split_by_query_len", lambda: split_by_query_len(meta, KERNEL_MAX_QUERY_LEN)
         )
