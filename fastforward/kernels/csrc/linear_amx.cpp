@@ -80,10 +80,18 @@ void pass(const uint16_t* a, int64_t Kp, int64_t m0, int64_t mt, int64_t M, cons
         keep[u] = __mmask16((1u << nv) - 1);
         bv[u] = bias ? _mm512_maskz_loadu_ps(keep[u], bias + (b + u) * TN) : _mm512_setzero_ps();
       }
+      // bf16 output, both blocks whole: a row's 32 features convert in one instruction
+      const bool line = !std::is_same_v<OT, float> && two_b && keep[1] == 0xffff;
       for (int64_t h = 0; h < (two_m ? 2 : 1); ++h)
         for (int64_t r = 0; r < TM; ++r) {
           const int64_t m = m0 + (t0 + h) * TM + r;
           if (m >= M) break;
+          if (line) {
+            const __m512 v0 = _mm512_add_ps(_mm512_load_ps(cbuf[2 * h][r]), bv[0]);
+            const __m512 v1 = _mm512_add_ps(_mm512_load_ps(cbuf[2 * h + 1][r]), bv[1]);
+            _mm512_storeu_si512(y + m * N + b * TN, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+            continue;
+          }
           for (int64_t u = 0; u < (two_b ? 2 : 1); ++u) {
             const int64_t n0 = (b + u) * TN;
             const __m512 v = _mm512_add_ps(_mm512_load_ps(cbuf[2 * h + u][r]), bv[u]);
