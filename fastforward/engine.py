@@ -94,6 +94,9 @@ class EngineArgs:
     # With the native kernels, decode-sized steps run all layers in one C++ call
     # (fastforward/kernels/decoder.py); False keeps the per-module path (to measure it).
     fused_layers: bool = True
+    # On a Linux CPU, copy the weights into one buffer of 2 MiB pages (fastforward/huge_pages.py);
+    # False leaves them in PyTorch's allocations (to measure what the pages gain).
+    huge_pages: bool = True
     # Speculative decoding (fastforward.spec_decode.config.SpeculativeConfig, a dict of its
     # fields or their JSON): {"method": "ngram" | "draft_model" | "layer_skip",
     # "num_speculative_tokens": k, "model": draft, ...}; None: off.
@@ -160,7 +163,9 @@ class LLMEngine:
                 f"|weights={args.quantization}",
             ),
         )
-        self.runner = ModelRunner(self.model, self.kv_config, self.device, args.fused_layers)
+        self.runner = ModelRunner(
+            self.model, self.kv_config, self.device, args.fused_layers, args.huge_pages
+        )
         # a function of the tokenizer alone: a bound method would make a reference cycle
         # through the engine, and engines (with their KV caches) would wait for the gc
         texts = functools.partial(token_texts, self.tokenizer)
@@ -231,7 +236,9 @@ class LLMEngine:
             + self.args.max_num_seqs * per_seq
         )
         kv_config = make_kv_cache_config(specs, num_blocks=num_blocks)
-        runner = ModelRunner(loaded.model, kv_config, self.device, self.args.fused_layers)
+        runner = ModelRunner(
+            loaded.model, kv_config, self.device, self.args.fused_layers, self.args.huge_pages
+        )
         kv = KVCacheManager(kv_config, enable_caching=False)
         return DraftModelProposer(runner, kv, self.sampler, self.args.max_num_batched_tokens)
 

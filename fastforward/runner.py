@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
+from fastforward.huge_pages import GatheredWeights, gather_weights, huge_pages_supported
 from fastforward.kernels.decoder import build_fused_decoder
 from fastforward.kv.quant import allocate_kv_cache
 from fastforward.kv.spec import KVCacheConfig
@@ -51,6 +52,18 @@ class StepResult:
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
+def _gather_weights(model: nn.Module, device: torch.device) -> tuple[GatheredWeights | None, str]:
+    """``gather_weights`` where it applies: (what moved, "") or (None, why not)."""
+    if device.type != "cpu":
+        return None, f"weights on {device.type}, huge pages are for CPU memory"
+    if not huge_pages_supported():
+        return None, "this OS has no transparent huge pages"
+    try:
+        return gather_weights(model), ""
+    except OSError as e:  # the advice refused: the weights stay where they are
+        return None, f"MADV_HUGEPAGE failed: {e}"
+
+
 class ModelRunner:
     """Owns the KV cache tensors and runs forward passes. One tensor per KV slot, shared by
     one layer of every group: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` of the
@@ -62,8 +75,13 @@ class ModelRunner:
         kv_config: KVCacheConfig,
         device: torch.device,
         fused_layers: bool = True,
+        huge_pages: bool = True,
     ) -> None:
         self.model = model
+        # The weights in 2 MiB pages (huge_pages.py), before anything keeps references to them
+        self.huge_pages, self.huge_pages_reason = None, "huge_pages=False"
+        if huge_pages:
+            self.huge_pages, self.huge_pages_reason = _gather_weights(model, device)
         self.kv_config = kv_config
         self.device = device
         spec = kv_config.groups[0].spec

@@ -60,7 +60,8 @@ def test_generate(tiny_model_dir):
     assert len(out.stdout.strip()) > 0
 
 
-@pytest.mark.parametrize("extra", [[], ["--no-fused-layers"]])  # the same tokens either way
+# the same tokens either way
+@pytest.mark.parametrize("extra", [[], ["--no-fused-layers"], ["--no-huge-pages"]])
 def test_generate_matches_library(tiny_model_dir, extra):
     from fastforward import LLM, SamplingParams
 

@@ -102,6 +102,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         "layers in one C++ call per step (to measure what the fused stack gains)",
     )
     g.add_argument(
+        "--no-huge-pages",
+        dest="huge_pages",
+        action="store_false",
+        help="leave the weights in PyTorch's allocations instead of one buffer of 2 MiB pages "
+        "(Linux; to measure what the pages gain)",
+    )
+    g.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
@@ -189,6 +196,7 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_dtype=ns.kv_cache_dtype,
         enable_prefix_caching=ns.enable_prefix_caching,
         fused_layers=ns.fused_layers,
+        huge_pages=ns.huge_pages,
         kernels=ns.kernels,
         speculative_config=ns.speculative_config,
     )
