@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastforward import kernels
 from fastforward.calibration import calibration_texts
 from fastforward.config import SchedulerConfig
 from fastforward.detokenizer import IncrementalDetokenizer
@@ -175,7 +176,10 @@ class LLMEngine:
             self.tokenizer.eos_token_id,
             token_texts=texts,
         )
-        self.sampler = Sampler(seed=args.seed, grammars=self.grammars, token_texts=texts)
+        argmax = kernels.ops().argmax_rows if self._use_kernels else None
+        self.sampler = Sampler(
+            seed=args.seed, grammars=self.grammars, token_texts=texts, argmax=argmax
+        )
         self.verifier = DraftVerifier(self.sampler, self.grammars)
         self.proposer = self._make_proposer(self.spec_config)
         self._spec_tokens = self.spec_config.num_speculative_tokens if self.spec_config else 0

@@ -655,6 +655,54 @@ def test_gated_activation_matches_module(dtype, act):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("vocab", [1, 5, 31, 32, 33, 100, 49152])
+def test_argmax_rows_matches_torch_max(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen)
+    if vocab > 1:
+        x[1] = torch.randint(0, 3, (vocab,), generator=gen).float()  # many ties: the first wins
+        x[2, vocab // 2] = float("nan")  # a NaN is the pick (torch.max's)
+        x[2, -1] = float("nan")
+        x[3] = float("-inf")
+        x[4, -1] = 1e9  # in the scalar tail
+        x[5] = 0.0
+        x[5, vocab // 3] = -0.0  # -0 == 0: the first one
+        x[6, 0] = float("nan")
+    ops = kernels.ops()
+    got = ops.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert got.tolist() == x.max(dim=-1).indices.tolist()
+    assert ops.argmax_rows(x[:, : max(1, vocab // 2)]).tolist() == (
+        x[:, : max(1, vocab // 2)].max(dim=-1).indices.tolist()  # a strided view
+    )
+
+
+def test_argmax_rows_rejects_bad_input():
+    ops = kernels.ops()
+    with pytest.raises(RuntimeError, match="2-D float32"):
+        ops.argmax_rows(torch.zeros(3, 4, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="empty"):
+        ops.argmax_rows(torch.zeros(3, 0))
+    assert ops.argmax_rows(torch.zeros(0, 7)).shape == (0,)
+
+
+def test_engine_sampler_takes_the_kernel_argmax(tiny_model_dir, monkeypatch):
+    from fastforward import LLM, SamplingParams
+
+    directory, _ = tiny_model_dir("llama")
+    llm = LLM(str(directory), kernels="native", download_progress=False)
+    calls = []
+    original = llm.engine.sampler._argmax
+    monkeypatch.setattr(
+        llm.engine.sampler, "_argmax", lambda x: calls.append(x.shape) or original(x)
+    )
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm.generate([list(range(5, 30)), list(range(3, 9))], params, use_tqdm=False)
+    assert calls and all(len(c) == 2 for c in calls)
+    plain = LLM(str(directory), kernels="torch", download_progress=False)
+    assert plain.engine.sampler._argmax is None
+
+
 def test_engine_kernel_modes(tiny_model_dir):
     from fastforward import LLM, SamplingParams
     from fastforward.kernels.linear import PackedLinear

@@ -185,4 +185,74 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table) 
   }
 }
 
+namespace {
+
+// Row x[0, V)'s first NaN, else its first maximum (torch.max(dim=-1).indices' pick).
+int64_t row_argmax(const float* x, int64_t V) {
+  auto first_nan = [&]() -> int64_t {
+    for (int64_t i = 0; i < V; ++i)
+      if (std::isnan(x[i])) return i;
+    return -1;
+  };
+  int64_t i = 0, best_i = 0;
+  float best = x[0];
+#if defined(__AVX512F__)
+  if (V >= 32) {
+    // Two sets of 16 lanes (independent chains), each lane keeping its first maximum.
+    __m512 b0 = _mm512_loadu_ps(x), b1 = _mm512_loadu_ps(x + 16);
+    __m512i i0 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(16));
+    __m512i c0 = i0, c1 = i1;
+    const __m512i step = _mm512_set1_epi32(32);
+    __mmask16 nan = _mm512_cmp_ps_mask(b0, b0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b1, b1, _CMP_UNORD_Q);
+    for (i = 32; i + 32 <= V; i += 32) {
+      c0 = _mm512_add_epi32(c0, step);
+      c1 = _mm512_add_epi32(c1, step);
+      const __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16);
+      nan |= _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+      const __mmask16 g0 = _mm512_cmp_ps_mask(v0, b0, _CMP_GT_OQ);
+      const __mmask16 g1 = _mm512_cmp_ps_mask(v1, b1, _CMP_GT_OQ);
+      b0 = _mm512_mask_mov_ps(b0, g0, v0);
+      b1 = _mm512_mask_mov_ps(b1, g1, v1);
+      i0 = _mm512_mask_mov_epi32(i0, g0, c0);
+      i1 = _mm512_mask_mov_epi32(i1, g1, c1);
+    }
+    if (nan) return first_nan();
+    // the larger of the two sets per lane (the earlier index on ties), then across lanes
+    const __mmask16 take1 = _mm512_cmp_ps_mask(b1, b0, _CMP_GT_OQ) |
+                            (_mm512_cmp_ps_mask(b1, b0, _CMP_EQ_OQ) & _mm512_cmp_epi32_mask(i1, i0, _MM_CMPINT_LT));
+    const __m512 b = _mm512_mask_mov_ps(b0, take1, b1);
+    const __m512i bi = _mm512_mask_mov_epi32(i0, take1, i1);
+    best = _mm512_reduce_max_ps(b);
+    const __mmask16 at = _mm512_cmp_ps_mask(b, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    best_i = _mm512_mask_reduce_min_epi32(at, bi);
+  }
+#endif
+  for (; i < V; ++i) {
+    if (std::isnan(x[i])) return first_nan();
+    if (x[i] > best) {
+      best = x[i];
+      best_i = i;
+    }
+  }
+  return best_i;
+}
+
+}  // namespace
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "argmax_rows: x must be 2-D float32");
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: rows must not be empty");
+  TORCH_CHECK(x.size(1) < (int64_t(1) << 31), "argmax_rows: rows over 2^31 entries");
+  auto xc = x.contiguous();
+  const int64_t R = xc.size(0), V = xc.size(1);
+  auto out = at::empty({R}, x.options().dtype(at::kLong));
+  const float* xp = xc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, std::max<int64_t>(1, (1 << 16) / V), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = row_argmax(xp + r * V, V);
+  });
+  return out;
+}
+
 }  // namespace ff

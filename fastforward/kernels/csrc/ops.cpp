@@ -31,6 +31,7 @@ TORCH_LIBRARY(fastforward, m) {
         &ff::linear_i8g_amx);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor", &ff::rms_norm);
   m.def("gated_act(Tensor x, bool gelu) -> Tensor", &ff::gated_act);
+  m.def("argmax_rows(Tensor x) -> Tensor", &ff::argmax_rows);
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table) -> ()", &ff::rope_);
   m.def(
       "write_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping, "

@@ -18,6 +18,8 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slot_mapping, const std::optional<at::Tensor>& kv_scales);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
 at::Tensor gated_act(const at::Tensor& x, bool gelu);
+// Each row's first NaN, else its first maximum: torch.max(x, dim=-1).indices for fp32 [R, V].
+at::Tensor argmax_rows(const at::Tensor& x);
 void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table);
 at::Tensor rescore_logits(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& bias, int64_t k);
