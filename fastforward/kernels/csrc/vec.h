@@ -66,13 +66,19 @@ inline vf load_i8(const int8_t* p) {
 #endif
 }
 
-// fp32 -> bf16, round to nearest even, NaN kept a quiet NaN (as c10::BFloat16).
+// fp32 -> bf16, round to nearest even, NaN kept a quiet NaN (as c10::BFloat16). With
+// AVX512-BF16 one vcvtneps2bf16 (which also flushes fp32 denormals, below 1.2e-38, to zero).
 inline void store_bf16(uint16_t* p, vf f) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      (__m256i)_mm512_cvtneps_pbh(reinterpret_cast<__m512&>(f)));
+#else
   vu u = reinterpret_cast<vu&>(f);
   vu rounded = (u + (((u >> 16) & 1u) + 0x7fffu)) >> 16;
   vu nan = reinterpret_cast<vu>(f != f);
   vu out = (rounded & ~nan) | (((u >> 16) | 0x40u) & nan);
   *reinterpret_cast<vh_m*>(p) = __builtin_convertvector(out, vh);
+#endif
 }
 
 // f rounded to bf16 (nearest even, NaN kept quiet), still as fp32: float_to_bf16 lane-wise.
