@@ -655,6 +655,33 @@ def test_gated_activation_matches_module(dtype, act):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wdtype", ["x", torch.float32])
+@pytest.mark.parametrize("dim", [576, 83])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, wdtype, dim):
+    ops = kernels.ops()
+    gen = torch.Generator().manual_seed(dim)
+    x = (torch.randn(7, dim, generator=gen) * 3).to(dtype)
+    d = (torch.randn(7, dim, generator=gen) * 3).to(dtype)
+    w = (torch.rand(dim, generator=gen) + 0.5).to(dtype if wdtype == "x" else wdtype)
+    want_x = x + d
+    want = ops.rms_norm(want_x, w, 1e-5, False)
+    got = ops.add_rms_norm_(x, d, w, 1e-5, False)
+    assert torch.equal(x, want_x)  # updated in place, rounded as x + d
+    assert torch.equal(got, want)
+
+
+def test_add_rms_norm_rejects_bad_input():
+    ops = kernels.ops()
+    x, w = torch.zeros(3, 8), torch.ones(8)
+    with pytest.raises(RuntimeError, match="one shape"):
+        ops.add_rms_norm_(x, torch.zeros(3, 7), w, 1e-5, False)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        ops.add_rms_norm_(x, torch.zeros(3, 8, dtype=torch.bfloat16), w, 1e-5, False)
+    with pytest.raises(RuntimeError, match="8 entries"):
+        ops.add_rms_norm_(x, torch.zeros(3, 8), torch.ones(5), 1e-5, False)
+
+
 @pytest.mark.parametrize("vocab", [1, 5, 31, 32, 33, 100, 49152])
 def test_argmax_rows_matches_torch_max(vocab):
     gen = torch.Generator().manual_seed(vocab)

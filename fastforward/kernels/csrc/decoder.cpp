@@ -168,16 +168,29 @@ class DecoderStack : public torch::CustomClassHolder {
                      std::vector<at::Tensor> slot_mappings, at::Tensor query_start_loc,
                      at::Tensor seq_lens, std::vector<int64_t> layer_ids) const {
     const int64_t n = layer_ids.empty() ? num_layers() : int64_t(layer_ids.size());
+    std::vector<const Layer*> run;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t li = layer_ids.empty() ? i : layer_ids[i];
       TORCH_CHECK(li >= 0 && li < num_layers(), "no layer ", li);
       const Layer& L = layers_[li];
       TORCH_CHECK(L.group < int64_t(block_tables.size()) && L.group < int64_t(slot_mappings.size()),
                   "no metadata for KV group ", L.group);
-      x = x + attention(L, rms_norm(x, L.ln1, L.eps1, false), positions, block_tables[L.group],
-                        slot_mappings[L.group], query_start_loc, seq_lens);
-      const auto h = rms_norm(x, L.ln2, L.eps2, false);
-      x = x + L.down(gated_act(L.gate_up(h), L.gelu));
+      run.push_back(&L);
+    }
+    if (run.empty()) return x;
+    // The residual stream is updated in place (a copy: the caller's tensor stays), each
+    // residual add fused with the norm that follows it (add_rms_norm_): the same numbers as
+    // x = x + delta, then rms_norm(x).
+    x = x.contiguous().clone();
+    at::Tensor h = rms_norm(x, run[0]->ln1, run[0]->eps1, false);
+    for (size_t i = 0; i < run.size(); ++i) {
+      const Layer& L = *run[i];
+      const auto a = attention(L, h, positions, block_tables[L.group], slot_mappings[L.group],
+                               query_start_loc, seq_lens);
+      const auto h2 = add_rms_norm_(x, a.contiguous(), L.ln2, L.eps2, false);
+      const auto m = L.down(gated_act(L.gate_up(h2), L.gelu)).contiguous();
+      if (i + 1 < run.size()) h = add_rms_norm_(x, m, run[i + 1]->ln1, run[i + 1]->eps1, false);
+      else x.add_(m);
     }
     return x;
   }

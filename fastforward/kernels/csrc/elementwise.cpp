@@ -11,50 +11,69 @@ namespace {
 // out = x / rms(x) * w (Llama: the normalised row is rounded to x's dtype before the scale, as
 // HF does) or * (1 + w) in fp32 (Gemma's unit offset).
 template <typename T, typename WT>
+inline void rms_row(const T* xr, const WT* w, T* o, int64_t D, float eps, bool unit_offset) {
+  vf a0{}, a1{};
+  int64_t i = 0;
+  for (; i + 2 * VL <= D; i += 2 * VL) {
+    const vf u = ldv(xr + i), v = ldv(xr + i + VL);
+    a0 += u * u;
+    a1 += v * v;
+  }
+  for (; i + VL <= D; i += VL) {
+    const vf u = ldv(xr + i);
+    a0 += u * u;
+  }
+  float ss = hsum(a0 + a1);
+  for (; i < D; ++i) {
+    const float v = ld(xr, i);
+    ss += v * v;
+  }
+  const float inv = 1.f / std::sqrt(ss / float(D) + eps);
+  i = 0;
+  for (; i + VL <= D; i += VL) {
+    const vf h = ldv(xr + i) * inv;
+    if (unit_offset) {
+      stv(o + i, h * (1.f + ldv(w + i)));
+    } else if constexpr (std::is_same_v<T, uint16_t>) {
+      stv(o + i, round_bf16(h) * ldv(w + i));
+    } else {
+      stv(o + i, h * ldv(w + i));
+    }
+  }
+  for (; i < D; ++i) {
+    const float h = ld(xr, i) * inv;
+    if (unit_offset) {
+      st(o, i, h * (1.f + ld(w, i)));
+    } else if constexpr (std::is_same_v<T, uint16_t>) {
+      st(o, i, bf16_to_float(float_to_bf16(h)) * ld(w, i));
+    } else {
+      st(o, i, h * ld(w, i));
+    }
+  }
+}
+
+template <typename T, typename WT>
 void rms_rows(const T* x, const WT* w, T* out, int64_t rows, int64_t D, int64_t stride,
               float eps, bool unit_offset) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_row(x + r * stride, w, out + r * D, D, eps, unit_offset);
+  });
+}
+
+// x += d (rounded to x's dtype, as x + d is), then out = rms_norm(x): the residual add and the
+// next norm in one pass over the row, the norm computed from the stored sum exactly as rms_rows
+// computes it.
+template <typename T, typename WT>
+void add_rms_rows(T* x, const T* d, const WT* w, T* out, int64_t rows, int64_t D, float eps,
+                  bool unit_offset) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * stride;
-      T* o = out + r * D;
-      vf a0{}, a1{};
+      T* xr = x + r * D;
+      const T* dr = d + r * D;
       int64_t i = 0;
-      for (; i + 2 * VL <= D; i += 2 * VL) {
-        const vf u = ldv(xr + i), v = ldv(xr + i + VL);
-        a0 += u * u;
-        a1 += v * v;
-      }
-      for (; i + VL <= D; i += VL) {
-        const vf u = ldv(xr + i);
-        a0 += u * u;
-      }
-      float ss = hsum(a0 + a1);
-      for (; i < D; ++i) {
-        const float v = ld(xr, i);
-        ss += v * v;
-      }
-      const float inv = 1.f / std::sqrt(ss / float(D) + eps);
-      i = 0;
-      for (; i + VL <= D; i += VL) {
-        const vf h = ldv(xr + i) * inv;
-        if (unit_offset) {
-          stv(o + i, h * (1.f + ldv(w + i)));
-        } else if constexpr (std::is_same_v<T, uint16_t>) {
-          stv(o + i, round_bf16(h) * ldv(w + i));
-        } else {
-          stv(o + i, h * ldv(w + i));
-        }
-      }
-      for (; i < D; ++i) {
-        const float h = ld(xr, i) * inv;
-        if (unit_offset) {
-          st(o, i, h * (1.f + ld(w, i)));
-        } else if constexpr (std::is_same_v<T, uint16_t>) {
-          st(o, i, bf16_to_float(float_to_bf16(h)) * ld(w, i));
-        } else {
-          st(o, i, h * ld(w, i));
-        }
-      }
+      for (; i + VL <= D; i += VL) stv(xr + i, ldv(xr + i) + ldv(dr + i));
+      for (; i < D; ++i) st(xr, i, ld(xr, i) + ld(dr, i));
+      rms_row(xr, w, out + r * D, D, eps, unit_offset);
     }
   });
 }
@@ -110,6 +129,34 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   else if (bf) rms_rows((const uint16_t*)xp, (const uint16_t*)wp, (uint16_t*)op, rows, D, stride, e, unit_offset);
   else rms_rows((const float*)xp, (const float*)wp, (float*)op, rows, D, stride, e, unit_offset);
   return out.view(x.sizes());
+}
+
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                         double eps, bool unit_offset) {
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(x.is_contiguous() && delta.is_contiguous() && delta.sizes() == x.sizes(),
+              "add_rms_norm_: x and delta must be contiguous and of one shape");
+  TORCH_CHECK(delta.scalar_type() == x.scalar_type(), "add_rms_norm_: x and delta dtypes differ");
+  TORCH_CHECK(weight.numel() == D && weight.is_contiguous(), "weight must have ", D, " entries");
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf || x.scalar_type() == at::kFloat, "add_rms_norm_: float32 or bfloat16 only");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
+              "add_rms_norm_: weight dtype must be x's or float32");
+  const int64_t rows = D ? x.numel() / D : 0;
+  auto out = at::empty_like(x);
+  const bool wf = weight.scalar_type() == at::kFloat;
+  auto* xp = x.data_ptr();
+  auto* dp = delta.data_ptr();
+  auto* wp = weight.data_ptr();
+  auto* op = out.data_ptr();
+  const float e = float(eps);
+  if (bf && wf)
+    add_rms_rows((uint16_t*)xp, (const uint16_t*)dp, (const float*)wp, (uint16_t*)op, rows, D, e, unit_offset);
+  else if (bf)
+    add_rms_rows((uint16_t*)xp, (const uint16_t*)dp, (const uint16_t*)wp, (uint16_t*)op, rows, D, e, unit_offset);
+  else
+    add_rms_rows((float*)xp, (const float*)dp, (const float*)wp, (float*)op, rows, D, e, unit_offset);
+  return out;
 }
 
 at::Tensor gated_act(const at::Tensor& x, bool gelu) {

@@ -30,6 +30,10 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("linear_i8g_amx(Tensor x, Tensor codes, Tensor scales, int group_size) -> Tensor",
         &ff::linear_i8g_amx);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor", &ff::rms_norm);
+  m.def(
+      "add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps, bool unit_offset) "
+      "-> Tensor",
+      &ff::add_rms_norm_);
   m.def("gated_act(Tensor x, bool gelu) -> Tensor", &ff::gated_act);
   m.def("argmax_rows(Tensor x) -> Tensor", &ff::argmax_rows);
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table) -> ()", &ff::rope_);

@@ -17,6 +17,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
 void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slot_mapping, const std::optional<at::Tensor>& kv_scales);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset);
+// x += delta in place, then rms_norm(x) (the residual add and the next norm in one pass).
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                         double eps, bool unit_offset);
 at::Tensor gated_act(const at::Tensor& x, bool gelu);
 // Each row's first NaN, else its first maximum: torch.max(x, dim=-1).indices for fp32 [R, V].
 at::Tensor argmax_rows(const at::Tensor& x);
