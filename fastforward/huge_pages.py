@@ -6,7 +6,7 @@ every page edge; in 2 MiB pages neither. PyTorch's CPU allocator asks for huge p
 ``THP_MEM_ALLOC_ENABLE`` is set before its first allocation, and never for the many tensors under
 2 MiB, so ``gather_weights`` copies each weight tensor of a loaded model into one anonymous
 mapping advised ``MADV_HUGEPAGE`` and points the module at its view there. Single-stream bf16
-decode of SmolLM2-135M on a 2-core AMX Xeon: 12.9 -> 11.3 ms a token (docs/cpu.md).
+decode of SmolLM2-135M on a 2-core AMX Xeon: ~12.6 -> ~11.7 ms a token (docs/cpu.md).
 
 Only tensors that own their whole storage move, and a storage referenced in any other way stays
 where it is, so aliasing (tied or shared weights, views into one buffer) is kept.
@@ -121,13 +121,16 @@ def gather_weights(model: nn.Module) -> GatheredWeights:
             moving[ptr] = refs
     if not moving:
         return GatheredWeights(0, 0, 0)
-    sizes = {ptr: refs[0][2].nbytes for ptr, refs in moving.items()}
-    total = sum(-(-n // ALIGN) * ALIGN for n in sizes.values())
+
+    def span(t: torch.Tensor) -> int:  # its bytes, rounded up to ALIGN
+        return -(-t.nbytes // ALIGN) * ALIGN
+
+    total = sum(span(refs[0][2]) for refs in moving.values())
     buffer = huge_page_buffer(total)
     offset = 0
-    for ptr, refs in moving.items():
+    for refs in moving.values():
         old = refs[0][2]
-        new = buffer[offset : offset + sizes[ptr]].view(old.dtype).view(old.shape)
+        new = buffer[offset : offset + old.nbytes].view(old.dtype).view(old.shape)
         with torch.no_grad():
             new.copy_(old)
         for owner, key, t in refs:
@@ -135,7 +138,7 @@ def gather_weights(model: nn.Module) -> GatheredWeights:
                 owner[key] = nn.Parameter(new, requires_grad=t.requires_grad)
             else:
                 owner[key] = new
-        offset += -(-sizes[ptr] // ALIGN) * ALIGN
+        offset += span(old)
     gathered = GatheredWeights(
         sum(len(r) for r in moving.values()), total, mapped_huge_page_bytes(buffer)
     )

@@ -108,6 +108,27 @@ void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t I, bool gelu) {
 
 }  // namespace
 
+namespace {
+
+// Checks a norm's weight against x and calls f(T{}, w) with x's element type T (uint16_t for
+// bf16, or float) and the weight as const WT* (x's type, or float).
+template <typename F>
+void with_norm_types(const char* op, const at::Tensor& x, const at::Tensor& weight, F&& f) {
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.numel() == D && weight.is_contiguous(), "weight must have ", D, " entries");
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf || x.scalar_type() == at::kFloat, op, ": float32 or bfloat16 only");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
+              op, ": weight dtype must be x's or float32");
+  const void* wp = weight.data_ptr();
+  const bool wf = weight.scalar_type() == at::kFloat;
+  if (bf && wf) f(uint16_t{}, static_cast<const float*>(wp));
+  else if (bf) f(uint16_t{}, static_cast<const uint16_t*>(wp));
+  else f(float{}, static_cast<const float*>(wp));
+}
+
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
   const int64_t D = x.size(-1);
   TORCH_CHECK(weight.numel() == D && weight.is_contiguous(), "weight must have ", D, " entries");
@@ -116,46 +137,26 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   TORCH_CHECK(x2.stride(-1) == 1, "rows of x must be contiguous");
   const int64_t rows = x2.size(0), stride = rows > 1 ? x2.stride(0) : D;
   auto out = at::empty({rows, D}, x.options());
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf || x.scalar_type() == at::kFloat, "rms_norm: float32 or bfloat16 only");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
-              "rms_norm: weight dtype must be x's or float32");
-  const bool wf = weight.scalar_type() == at::kFloat;
-  auto* xp = x2.data_ptr();
-  auto* op = out.data_ptr();
-  auto* wp = weight.data_ptr();
-  const float e = float(eps);
-  if (bf && wf) rms_rows((const uint16_t*)xp, (const float*)wp, (uint16_t*)op, rows, D, stride, e, unit_offset);
-  else if (bf) rms_rows((const uint16_t*)xp, (const uint16_t*)wp, (uint16_t*)op, rows, D, stride, e, unit_offset);
-  else rms_rows((const float*)xp, (const float*)wp, (float*)op, rows, D, stride, e, unit_offset);
+  with_norm_types("rms_norm", x, weight, [&](auto tag, const auto* wp) {
+    using T = decltype(tag);
+    rms_rows(static_cast<const T*>(x2.data_ptr()), wp, static_cast<T*>(out.data_ptr()), rows, D,
+             stride, float(eps), unit_offset);
+  });
   return out.view(x.sizes());
 }
 
 at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                          double eps, bool unit_offset) {
-  const int64_t D = x.size(-1);
   TORCH_CHECK(x.is_contiguous() && delta.is_contiguous() && delta.sizes() == x.sizes(),
               "add_rms_norm_: x and delta must be contiguous and of one shape");
   TORCH_CHECK(delta.scalar_type() == x.scalar_type(), "add_rms_norm_: x and delta dtypes differ");
-  TORCH_CHECK(weight.numel() == D && weight.is_contiguous(), "weight must have ", D, " entries");
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf || x.scalar_type() == at::kFloat, "add_rms_norm_: float32 or bfloat16 only");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
-              "add_rms_norm_: weight dtype must be x's or float32");
-  const int64_t rows = D ? x.numel() / D : 0;
+  const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
   auto out = at::empty_like(x);
-  const bool wf = weight.scalar_type() == at::kFloat;
-  auto* xp = x.data_ptr();
-  auto* dp = delta.data_ptr();
-  auto* wp = weight.data_ptr();
-  auto* op = out.data_ptr();
-  const float e = float(eps);
-  if (bf && wf)
-    add_rms_rows((uint16_t*)xp, (const uint16_t*)dp, (const float*)wp, (uint16_t*)op, rows, D, e, unit_offset);
-  else if (bf)
-    add_rms_rows((uint16_t*)xp, (const uint16_t*)dp, (const uint16_t*)wp, (uint16_t*)op, rows, D, e, unit_offset);
-  else
-    add_rms_rows((float*)xp, (const float*)dp, (const float*)wp, (float*)op, rows, D, e, unit_offset);
+  with_norm_types("add_rms_norm_", x, weight, [&](auto tag, const auto* wp) {
+    using T = decltype(tag);
+    add_rms_rows(static_cast<T*>(x.data_ptr()), static_cast<const T*>(delta.data_ptr()), wp,
+                 static_cast<T*>(out.data_ptr()), rows, D, float(eps), unit_offset);
+  });
   return out;
 }
 
