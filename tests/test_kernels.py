@@ -162,6 +162,28 @@ def test_linear_q4_matches_dense(m, n, k, group, zeros, levels):
     torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-4 * ref.abs().max())
 
 
+@needs_q4
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_linear_q4_int4_rows_with_an_outlier(m):
+    """int4 rows (code - 8) of up to 4 rows run integer dot products on x held as int16 per group
+    (max |x| / 32767 a step): a group whose largest element is 1000x the rest keeps its small
+    elements' share of the output to the bf16 tolerance; a zero group contributes exactly 0."""
+    x, packed, sz, table, w = _q4_case(m, 96, 256, 32, True, "int4")
+    x = x.double()
+    x[:, 5] = 1000.0 * x[:, 5].sign()  # one outlier in group 0
+    x[:, 64:96] = 0.0  # group 2 all zero
+    x = x.to(torch.bfloat16)
+    y = kernels.ops().linear_q4(x, packed, sz, table, 32).double()
+    ref = x.double() @ w.t()
+    torch.testing.assert_close(y, ref, rtol=2**-8, atol=1e-4 * ref.abs().max())
+    # without the outlier's column the rest still matches: the small elements were not lost
+    x2 = x.clone()
+    x2[:, 5] = 0
+    y2 = kernels.ops().linear_q4(x2, packed, sz, table, 32).double()
+    ref2 = x2.double() @ w.t()
+    torch.testing.assert_close(y - y2, ref - ref2, rtol=2**-7, atol=2e-3 * ref.abs().max())
+
+
 Q4_AMX_ROWS_MIN = 5  # csrc/linear_q4.cpp kQ4AmxRowsMin
 
 
