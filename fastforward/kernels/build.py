@@ -24,13 +24,14 @@ SOURCES = (
     "linear.cpp",
     "linear_q4.cpp",
     "linear_amx.cpp",
+    "linear_i8g.cpp",
     "attention.cpp",
     "attention_amx.cpp",
     "elementwise.cpp",
     "decoder.cpp",
     "ops.cpp",
 )
-HEADERS = ("vec.h", "ops.h", "amx.h")
+HEADERS = ("vec.h", "ops.h", "amx.h", "int16_rows.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG")
 CSRC = Path(__file__).parent / "csrc"
 

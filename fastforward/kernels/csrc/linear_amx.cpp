@@ -342,7 +342,9 @@ at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Te
 // y [.., N] = x [.., K] @ W^T for int8 codes with a scale per group of inputs (GGUF Q8_0, Q5_0,
 // Q6_K), on AMX tiles: codes [N/16, K/2, 16, 2] int8 (per block of 16 output features and
 // input pair, the 16 features' two codes side by side), scales [N/16, K/group, 16] float32.
-// The weight is rounded to bf16 once, products accumulate in fp32; x bf16, y bf16.
+// The weight is rounded to bf16 once, products accumulate in fp32; x bf16, y bf16. Up to
+// kI8gRowsMax rows go to linear_i8g_rows (exact integer products of int16 rows, no rounding of
+// the weight) where the CPU has AVX512-VNNI.
 at::Tensor linear_i8g_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           int64_t group_size) {
 #ifdef FF_AMX
@@ -360,6 +362,12 @@ at::Tensor linear_i8g_amx(const at::Tensor& x, const at::Tensor& codes, const at
               "scales must be a contiguous [N/16, K/group, 16] float32 tensor");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K,
               " features");
+  if (x.numel() <= kI8gRowsMax * K && linear_i8g_rows_native()) {
+    auto y = linear_i8g_rows(x.reshape({-1, K}).contiguous(), codes, scales, group_size);
+    auto sizes = x.sizes().vec();
+    sizes.back() = nb * TN;
+    return y.view(sizes);
+  }
   const auto* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   auto y = expanded_linear(x.reshape({-1, K}), nb, [&](int64_t b, uint16_t* dst) {

@@ -10,9 +10,9 @@
 // permutations (vpermw, the table in one register) give the 64 bf16 weights.
 //
 // The int4 table (code - 8) needs no lookup and no floats in the loop: each row's group of x is
-// held as int16 (xq = round(x / xs), xs = max |x| / 32767: 2^-16 of the group's largest
-// element, where bf16 itself carries 2^-9 of each element), and the codes 0..15 multiply it as
-// words with AVX512-VNNI's vpdpwssd (two int16 products per int32 lane, exact), so per group
+// held as int16 (int16_rows.h: 2^-16 of the group's largest element a step, where bf16 itself
+// carries 2^-9 of each element), and the codes 0..15 multiply it as words with AVX512-VNNI's
+// vpdpwssd (two int16 products per int32 lane, exact), so per group
 // d = sum_k xq[k] * code[k] and y += s * xs * d + (z - 8 s) * sum_k x[k]. vdpbf16ps costs about
 // twice a vpdpwssd here, and the codes need a mask instead of a lookup: 1.9 -> 1.1 ns per 64
 // weights from L1 on the AMX Xeon (one core, a throwaway timing harness).
@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "int16_rows.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -39,7 +40,7 @@ namespace ff {
 // kernel's cost grows with the rows.
 constexpr int64_t kQ4AmxRowsMin = 5;
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512BF16__) && defined(FF_INT16_ROWS)
 #define FF_Q4 1
 constexpr bool kQ4Native = true;
 #else
@@ -61,12 +62,6 @@ constexpr int MR_MAX = 4;
 inline __m512 load_bf16x16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline __m512i splat_pair(const uint16_t* p) {  // (p[0], p[1]) in every 32-bit lane
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return _mm512_set1_epi32(v);
 }
 
 // MR rows x NT tiles from tile t0, through the table. One row keeps the low and high halves of
@@ -166,8 +161,8 @@ void block_i16(const int16_t* xq, int64_t K, const uint8_t* w, const uint16_t* s
       __m512i xl[MR], xh[MR];
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {  // (x[4q], x[4q + 1]) and (x[4q + 2], x[4q + 3]) as int16 pairs
-        xl[m] = splat_pair(reinterpret_cast<const uint16_t*>(xq + m * K + 4 * q));
-        xh[m] = splat_pair(reinterpret_cast<const uint16_t*>(xq + m * K + 4 * q + 2));
+        xl[m] = splat_pair(xq + m * K + 4 * q);
+        xh[m] = splat_pair(xq + m * K + 4 * q + 2);
       }
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) {
@@ -207,40 +202,6 @@ void block_i16(const int16_t* xq, int64_t K, const uint8_t* w, const uint16_t* s
     for (int t = 0; t < NT; ++t) {
       const __m256bh out = _mm512_cvtneps_pbh(acc[m][t]);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (t0 + t) * TILE), (__m256i)out);
-    }
-}
-
-// Each group of each row of x [M, K] as int16: xq = round(x / xs) with xs = max |x| / 32767
-// (0 for an all-zero group), and the group's sum of x in fp32.
-void quantize_groups(const uint16_t* x, int64_t M, int64_t K, int64_t group, int16_t* xq,
-                     float* xs, float* sx) {
-  const int64_t G = K / group;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const uint16_t* src = x + m * K + g * group;
-      int16_t* dst = xq + m * K + g * group;
-      __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + TILE <= group; k += TILE) {
-        const __m512 v = load_bf16x16(src + k);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
-        vsum = _mm512_add_ps(vsum, v);
-      }
-      float amax = _mm512_reduce_max_ps(vmax), sum = _mm512_reduce_add_ps(vsum);
-      for (int64_t j = k; j < group; ++j) {
-        const float v = bf16_to_float(src[j]);
-        amax = std::max(amax, std::fabs(v));
-        sum += v;
-      }
-      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-      xs[m * G + g] = amax / 32767.f;
-      sx[m * G + g] = sum;
-      const __m512 iv = _mm512_set1_ps(inv);
-      for (k = 0; k + TILE <= group; k += TILE) {
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16(src + k), iv));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm512_cvtsepi32_epi16(q));
-      }
-      for (; k < group; ++k) dst[k] = int16_t(std::nearbyint(bf16_to_float(src[k]) * inv));
     }
 }
 

@@ -1,0 +1,142 @@
+// y = x @ W^T for int8 codes with a float32 scale per group of inputs (GGUF Q8_0, Q5_0, Q6_K),
+// for batches of a few rows (decode): each row's groups of x as int16 (int16_rows.h), the codes
+// sign-extended to words, exact int32 dot products per group with AVX512-VNNI's vpdpwssd, then
+// y += s * xs * d. Codes stay in linear_i8g_amx's layout ([N/16, K/2, 16, 2]: per block of 16
+// output features and input pair, the 16 features' two codes side by side, so 32 bytes widen
+// to one vector of 16 lanes of (code[i][2p], code[i][2p + 1])), read once per call; AMX's
+// expansion to bf16 tiles pays for itself only over many rows (Q8_0 [49152, 576] from memory,
+// 2 threads: 1 row 3.3 ms there).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <type_traits>
+#include <vector>
+
+#include "int16_rows.h"
+#include "ops.h"
+
+namespace ff {
+
+#ifdef FF_INT16_ROWS
+namespace {
+
+constexpr int TN = 16;       // output features per block
+constexpr int PAIR_BYTES = 32;
+constexpr int PF = 32;       // input pairs (1 KiB) ahead on each block's stream
+
+// MR rows x NT blocks from block b0. One row keeps even and odd input pairs in two chains per
+// block (8 with NT = 4) to cover vpdpwssd's latency; more rows have MR x NT chains already.
+template <int MR, int NT>
+void block(const int16_t* xq, const float* xs, int64_t K, const int8_t* w, const float* sc,
+           int64_t G, int64_t pairs_per_group, int64_t b0, uint16_t* y, int64_t N) {
+  constexpr int CH = MR == 1 ? 2 : 1;
+  const int64_t block_bytes = K / 2 * PAIR_BYTES;
+  const int8_t* wb = w + b0 * block_bytes;
+  __m512 acc[MR][NT];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i d[CH][MR][NT];
+    for (int c = 0; c < CH; ++c)
+      for (int m = 0; m < MR; ++m)
+        for (int t = 0; t < NT; ++t) d[c][m][t] = _mm512_setzero_si512();
+    const int64_t p0 = g * pairs_per_group;
+    for (int64_t p = p0; p < p0 + pairs_per_group; ++p) {
+      __m512i xp[MR];
+      for (int m = 0; m < MR; ++m) xp[m] = splat_pair(xq + m * K + 2 * p);
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* src = wb + t * block_bytes + p * PAIR_BYTES;
+        if ((p & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + PF * PAIR_BYTES), _MM_HINT_T0);
+        const __m512i wv =
+            _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          __m512i& dc = d[CH == 2 ? int(p & 1) : 0][m][t];
+          dc = _mm512_dpwssd_epi32(dc, wv, xp[m]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      const __m512 s = _mm512_loadu_ps(sc + ((b0 + t) * G + g) * TN);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m512i dm = CH == 2 ? _mm512_add_epi32(d[0][m][t], d[CH - 1][m][t]) : d[0][m][t];
+        acc[m][t] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(xs[m * G + g])),
+                                    _mm512_cvtepi32_ps(dm), acc[m][t]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) {
+      store_bf16(y + m * N + (b0 + t) * TN, reinterpret_cast<const vf&>(acc[m][t]));
+    }
+}
+
+template <int NT>
+void rows(int r, const int16_t* xq, const float* xs, int64_t K, const int8_t* w, const float* sc,
+          int64_t G, int64_t ppg, int64_t b0, uint16_t* y, int64_t N) {
+  switch (r) {
+    case 1: return block<1, NT>(xq, xs, K, w, sc, G, ppg, b0, y, N);
+    case 2: return block<2, NT>(xq, xs, K, w, sc, G, ppg, b0, y, N);
+    case 3: return block<3, NT>(xq, xs, K, w, sc, G, ppg, b0, y, N);
+    case 4: return block<4, NT>(xq, xs, K, w, sc, G, ppg, b0, y, N);
+    default: TORCH_CHECK(false, "bad row block ", r);
+  }
+}
+
+}  // namespace
+#endif
+
+bool linear_i8g_rows_native() {
+#ifdef FF_INT16_ROWS
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] bf16 (M up to kI8gRowsMax), codes and scales as linear_i8g_amx (checked there).
+at::Tensor linear_i8g_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                           int64_t group_size) {
+  const int64_t M = x.size(0), K = x.size(1), nb = codes.size(0), N = nb * TN_ROWS;
+  TORCH_CHECK(M <= kI8gRowsMax, "linear_i8g_rows takes up to ", kI8gRowsMax, " rows");
+  auto y = at::empty({M, N}, x.options());
+#ifdef FF_INT16_ROWS
+  if (M == 0) return y;
+  const int64_t G = K / group_size;
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xs(M * G);
+  quantize_groups(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, group_size, xq.data(),
+                  xs.data(), nullptr);
+  const auto* wp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  constexpr int NT = 4;
+  const int64_t steps = (nb + NT - 1) / NT;
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / (K * TN * NT));  // >= 32 KiB of codes
+  at::parallel_for(0, steps, grain, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t b0 = s * NT;
+      const int nt = int(std::min<int64_t>(NT, nb - b0));
+      const int r = int(M);
+      if (nt == NT && r <= 2) {
+        rows<4>(r, xq.data(), xs.data(), K, wp, sp, G, group_size / 2, b0, yp, N);
+      } else if (nt == NT) {  // 3-4 rows: two blocks at a time
+        rows<2>(r, xq.data(), xs.data(), K, wp, sp, G, group_size / 2, b0, yp, N);
+        rows<2>(r, xq.data(), xs.data(), K, wp, sp, G, group_size / 2, b0 + 2, yp, N);
+      } else {
+        for (int t = 0; t < nt; ++t)
+          rows<1>(r, xq.data(), xs.data(), K, wp, sp, G, group_size / 2, b0 + t, yp, N);
+      }
+    }
+  });
+#else
+  (void)codes, (void)scales, (void)group_size;
+  TORCH_CHECK(false, "linear_i8g_rows needs AVX512-VNNI");
+#endif
+  return y;
+}
+
+}  // namespace ff
