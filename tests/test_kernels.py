@@ -231,6 +231,37 @@ def test_linear_q4_amx_matches_bf16_weight(m, n, k, group, zeros, levels):
 
 I8G_ROWS_MAX = 4  # csrc/ops.h kI8gRowsMax
 
+needs_int8_rows = pytest.mark.skipif(
+    not (kernels.available() and kernels.ops().int8_rows_native()), reason="no AVX512-VNNI"
+)
+
+
+@needs_int8_rows
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 64, 64), (2, 576, 576), (3, 48, 1536), (4, 80, 96)])
+def test_linear_i8_rows_matches_the_int8_weight(m, n, k):
+    """int8 codes with one bf16 scale per output row (Int8Linear) in blocks of 16 rows: exact
+    integer products with each row of x held as int16 per 32 inputs, against a float64 matmul
+    of the unrounded weight (tiles in blocks of 4 with tails, 1-4 rows); each row independent
+    of the batch around it; a 3-d x keeps its leading shape; bad input is refused."""
+    gen = torch.Generator().manual_seed(m * n + k)
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, generator=gen) * 0.01 + 1e-3).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    blocks = codes.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+    ops = kernels.ops()
+    y = ops.linear_i8_rows(x, blocks, scales)
+    ref = x.double() @ (codes.double() * scales.double()[:, None]).t()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-4 * ref.abs().max())
+    assert torch.equal(ops.linear_i8_rows(x[m - 1 :], blocks, scales), y[m - 1 :])
+    assert torch.equal(ops.linear_i8_rows(x.view(1, m, k), blocks, scales), y.view(1, m, n))
+    with pytest.raises(RuntimeError, match="rows"):
+        ops.linear_i8_rows(torch.zeros(5, k, dtype=torch.bfloat16), blocks, scales)
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.linear_i8_rows(x, blocks, scales.float())
+    with pytest.raises(RuntimeError, match="features"):
+        ops.linear_i8_rows(x[:, :32], blocks, scales)
+
 
 @needs_amx
 @pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 64, 64, 32), (70, 48, 96, 16),

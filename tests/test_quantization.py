@@ -63,6 +63,10 @@ def _modules() -> dict[str, QuantizedLinear]:
             native = copy.deepcopy(modules[name])
             native.use_native_kernel()
             modules[f"{name}-native"] = native
+    if kernels.available() and kernels.ops().int8_rows_native():
+        native = copy.deepcopy(modules["int8"])
+        native.use_native_kernel()
+        modules["int8-native"] = native
     if _amx():  # int8 groups (GGUF Q8_0/Q5_0/Q6_K) have a native kernel on AMX tiles only
         native = copy.deepcopy(modules["int8-group16"])
         native.use_native_kernel()
@@ -105,14 +109,15 @@ def test_embedding_rows_are_dequantized_rows(name):
 )
 @pytest.mark.parametrize(
     "name",
-    ["int4-g32", "int4-g64", "int4-g128", "codebook4"]
+    ["int4-g32", "int4-g64", "int4-g128", "codebook4", "int8"]
     + [pytest.param("int8-group16", marks=pytest.mark.skipif(not _amx(), reason="no AMX"))],
 )
-def test_native_layout_keeps_the_values(name):
-    """Moving onto fastforward's 4-bit kernel (or, for int8 groups, its AMX kernel) repacks the
-    same codes, scales and zeros: the dequantized weight, the embedding rows and the checkpoint
-    tensors are bit for bit the same, and the matmul agrees with the PyTorch path's within bf16
-    rounding."""
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_native_layout_keeps_the_values(name, rows):
+    """Moving onto fastforward's 4-bit kernel (or, for int8 groups, its AMX kernel; for int8
+    rows, linear_i8_rows) repacks the same codes, scales and zeros: the dequantized weight, the
+    embedding rows and the checkpoint tensors are bit for bit the same, and the matmul (few rows
+    on the packed kernel, more past it) agrees with the PyTorch path's within bf16 rounding."""
     modules = _modules()
     plain, native = modules[name], modules[f"{name}-native"]
     assert native.native and not plain.native
@@ -121,7 +126,7 @@ def test_native_layout_keeps_the_values(name):
     assert torch.equal(native.rows(ids), plain.rows(ids))
     a, b = plain.packed_state(), native.packed_state()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    x = torch.randn(5, K, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     expected = plain(x).float()
     torch.testing.assert_close(
         native(x).float(), expected, atol=1e-2 * expected.abs().max(), rtol=0

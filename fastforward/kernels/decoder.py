@@ -194,10 +194,10 @@ def _add_linear(stack: Any, lin: nn.Module) -> tuple[int, int] | None:
             lin.native_rows_max, bias,
         )  # fmt: skip
         return index, lin.native_rows_max
-    if type(lin) is Int8Linear:
+    if type(lin) is Int8Linear:  # ATen's layout, or linear_i8_rows' blocks (lin.native)
         index = stack.add_linear(
             LINEAR_INT8, lin.codes, lin.scales, None, lin.out_features, 0,
-            lin.packed_rows_max, bias,
+            lin.kernel_rows_max, bias,
         )  # fmt: skip
-        return index, lin.packed_rows_max
+        return index, lin.kernel_rows_max
     return None

@@ -19,7 +19,8 @@ namespace {
 enum LinearKind : int64_t {
   kBf16 = 0,  // packed bf16 tiles, dense copy for large batches (kernels/linear.py PackedLinear)
   kQ4 = 1,    // 4-bit codes through a 16-entry table (quant/int4.py, quant/codebook.py)
-  kInt8 = 2,  // int8 codes, one scale per output row (quant/int8.py Int8Linear)
+  kInt8 = 2,  // int8 codes, one scale per output row (quant/int8.py Int8Linear; ATen's layout,
+              // or blocks of 16 rows for linear_i8_rows)
   kDense = 3,  // a plain weight in the activations' dtype (nn.Linear: float32 engines)
 };
 
@@ -65,8 +66,9 @@ struct Linear {
     TORCH_CHECK(rows <= rows_max, "fused decoder: ", rows, " rows exceed the packed kernel's ",
                 rows_max);
     const auto xb = x.to(at::kBFloat16).contiguous();
-    auto y = kind == kQ4 ? linear_q4(xb, w, aux, table, group)
-                         : at::_weight_int8pack_mm(xb, w, aux);
+    auto y = kind == kQ4      ? linear_q4(xb, w, aux, table, group)
+             : w.dim() == 4 ? linear_i8_rows(xb, w, aux)  // codes in blocks of 16 rows
+                            : at::_weight_int8pack_mm(xb, w, aux);
     y = y.to(x.scalar_type());
     if (bias) y = y + *bias;
     return y;

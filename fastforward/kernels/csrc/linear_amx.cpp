@@ -362,7 +362,7 @@ at::Tensor linear_i8g_amx(const at::Tensor& x, const at::Tensor& codes, const at
               "scales must be a contiguous [N/16, K/group, 16] float32 tensor");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K,
               " features");
-  if (x.numel() <= kI8gRowsMax * K && linear_i8g_rows_native()) {
+  if (x.numel() <= kI8gRowsMax * K && int8_rows_native()) {
     auto y = linear_i8g_rows(x.reshape({-1, K}).contiguous(), codes, scales, group_size);
     auto sizes = x.sizes().vec();
     sizes.back() = nb * TN;

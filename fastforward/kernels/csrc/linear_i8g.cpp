@@ -1,7 +1,8 @@
-// y = x @ W^T for int8 codes with a float32 scale per group of inputs (GGUF Q8_0, Q5_0, Q6_K),
-// for batches of a few rows (decode): each row's groups of x as int16 (int16_rows.h), the codes
-// sign-extended to words, exact int32 dot products per group with AVX512-VNNI's vpdpwssd, then
-// y += s * xs * d. Codes stay in linear_i8g_amx's layout ([N/16, K/2, 16, 2]: per block of 16
+// y = x @ W^T for int8 codes with a float32 scale per group of inputs (GGUF Q8_0, Q5_0, Q6_K)
+// or a bf16 scale per output row (our int8), for batches of a few rows (decode): each row's
+// groups of x as int16 (int16_rows.h), the codes sign-extended to words, exact int32 dot
+// products per group with AVX512-VNNI's vpdpwssd, then y += s * xs * d (group scales), or
+// y = s * sum over groups of xs * d (row scales, x in groups of 32). Codes stay in linear_i8g_amx's layout ([N/16, K/2, 16, 2]: per block of 16
 // output features and input pair, the 16 features' two codes side by side, so 32 bytes widen
 // to one vector of 16 lanes of (code[i][2p], code[i][2p + 1])), read once per call; AMX's
 // expansion to bf16 tiles pays for itself only over many rows (Q8_0 [49152, 576] from memory,
@@ -26,9 +27,11 @@ constexpr int PF = 32;       // input pairs (1 KiB) ahead on each block's stream
 
 // MR rows x NT blocks from block b0. One row keeps even and odd input pairs in two chains per
 // block (8 with NT = 4) to cover vpdpwssd's latency; more rows have MR x NT chains already.
-template <int MR, int NT>
+// Scales: sc [N/16][G][16] float32 per group, or rs [N] bf16 per output row (ROW).
+template <int MR, int NT, bool ROW>
 void block(const int16_t* xq, const float* xs, int64_t K, const int8_t* w, const float* sc,
-           int64_t G, int64_t pairs_per_group, int64_t b0, uint16_t* y, int64_t N) {
+           const uint16_t* rs, int64_t G, int64_t pairs_per_group, int64_t b0, uint16_t* y,
+           int64_t N) {
   constexpr int CH = MR == 1 ? 2 : 1;
   const int64_t block_bytes = K / 2 * PAIR_BYTES;
   const int8_t* wb = w + b0 * block_bytes;
@@ -59,37 +62,78 @@ void block(const int16_t* xq, const float* xs, int64_t K, const int8_t* w, const
     }
 #pragma GCC unroll 4
     for (int t = 0; t < NT; ++t) {
-      const __m512 s = _mm512_loadu_ps(sc + ((b0 + t) * G + g) * TN);
+      const __m512 s = ROW ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(sc + ((b0 + t) * G + g) * TN);
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
         const __m512i dm = CH == 2 ? _mm512_add_epi32(d[0][m][t], d[CH - 1][m][t]) : d[0][m][t];
-        acc[m][t] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(xs[m * G + g])),
-                                    _mm512_cvtepi32_ps(dm), acc[m][t]);
+        const __m512 f = _mm512_set1_ps(xs[m * G + g]);
+        acc[m][t] = _mm512_fmadd_ps(ROW ? f : _mm512_mul_ps(s, f), _mm512_cvtepi32_ps(dm), acc[m][t]);
       }
     }
   }
   for (int m = 0; m < MR; ++m)
     for (int t = 0; t < NT; ++t) {
+      if constexpr (ROW) {
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs + (b0 + t) * TN))), 16));
+        acc[m][t] = _mm512_mul_ps(acc[m][t], s);
+      }
       store_bf16(y + m * N + (b0 + t) * TN, reinterpret_cast<const vf&>(acc[m][t]));
     }
 }
 
-template <int NT>
+template <int NT, bool ROW>
 void rows(int r, const int16_t* xq, const float* xs, int64_t K, const int8_t* w, const float* sc,
-          int64_t G, int64_t ppg, int64_t b0, uint16_t* y, int64_t N) {
+          const uint16_t* rs, int64_t G, int64_t ppg, int64_t b0, uint16_t* y, int64_t N) {
   switch (r) {
-    case 1: return block<1, NT>(xq, xs, K, w, sc, G, ppg, b0, y, N);
-    case 2: return block<2, NT>(xq, xs, K, w, sc, G, ppg, b0, y, N);
-    case 3: return block<3, NT>(xq, xs, K, w, sc, G, ppg, b0, y, N);
-    case 4: return block<4, NT>(xq, xs, K, w, sc, G, ppg, b0, y, N);
+    case 1: return block<1, NT, ROW>(xq, xs, K, w, sc, rs, G, ppg, b0, y, N);
+    case 2: return block<2, NT, ROW>(xq, xs, K, w, sc, rs, G, ppg, b0, y, N);
+    case 3: return block<3, NT, ROW>(xq, xs, K, w, sc, rs, G, ppg, b0, y, N);
+    case 4: return block<4, NT, ROW>(xq, xs, K, w, sc, rs, G, ppg, b0, y, N);
     default: TORCH_CHECK(false, "bad row block ", r);
   }
+}
+
+// The few-row product shared by both entry points: scales per group (sc) or per row (rs).
+template <bool ROW>
+at::Tensor run_rows(const at::Tensor& x, const at::Tensor& codes, const float* sc,
+                    const uint16_t* rs, int64_t group_size) {
+  const int64_t M = x.size(0), K = x.size(1), nb = codes.size(0), N = nb * TN;
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const int64_t G = K / group_size;
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xs(M * G);
+  quantize_groups(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, group_size, xq.data(),
+                  xs.data(), nullptr);
+  const auto* wp = codes.data_ptr<int8_t>();
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  constexpr int NT = 4;
+  const int64_t steps = (nb + NT - 1) / NT, ppg = group_size / 2;
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / (K * TN * NT));  // >= 32 KiB of codes
+  const int r = int(M);
+  at::parallel_for(0, steps, grain, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t b0 = s * NT;
+      const int nt = int(std::min<int64_t>(NT, nb - b0));
+      if (nt == NT && r <= 2) {
+        rows<4, ROW>(r, xq.data(), xs.data(), K, wp, sc, rs, G, ppg, b0, yp, N);
+      } else if (nt == NT) {  // 3-4 rows: two blocks at a time
+        rows<2, ROW>(r, xq.data(), xs.data(), K, wp, sc, rs, G, ppg, b0, yp, N);
+        rows<2, ROW>(r, xq.data(), xs.data(), K, wp, sc, rs, G, ppg, b0 + 2, yp, N);
+      } else {
+        for (int t = 0; t < nt; ++t)
+          rows<1, ROW>(r, xq.data(), xs.data(), K, wp, sc, rs, G, ppg, b0 + t, yp, N);
+      }
+    }
+  });
+  return y;
 }
 
 }  // namespace
 #endif
 
-bool linear_i8g_rows_native() {
+bool int8_rows_native() {
 #ifdef FF_INT16_ROWS
   return true;
 #else
@@ -100,43 +144,40 @@ bool linear_i8g_rows_native() {
 // x [M, K] bf16 (M up to kI8gRowsMax), codes and scales as linear_i8g_amx (checked there).
 at::Tensor linear_i8g_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                            int64_t group_size) {
-  const int64_t M = x.size(0), K = x.size(1), nb = codes.size(0), N = nb * TN_ROWS;
-  TORCH_CHECK(M <= kI8gRowsMax, "linear_i8g_rows takes up to ", kI8gRowsMax, " rows");
-  auto y = at::empty({M, N}, x.options());
+  TORCH_CHECK(x.size(0) <= kI8gRowsMax, "linear_i8g_rows takes up to ", kI8gRowsMax, " rows");
 #ifdef FF_INT16_ROWS
-  if (M == 0) return y;
-  const int64_t G = K / group_size;
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> xs(M * G);
-  quantize_groups(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, group_size, xq.data(),
-                  xs.data(), nullptr);
-  const auto* wp = codes.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  constexpr int NT = 4;
-  const int64_t steps = (nb + NT - 1) / NT;
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / (K * TN * NT));  // >= 32 KiB of codes
-  at::parallel_for(0, steps, grain, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t b0 = s * NT;
-      const int nt = int(std::min<int64_t>(NT, nb - b0));
-      const int r = int(M);
-      if (nt == NT && r <= 2) {
-        rows<4>(r, xq.data(), xs.data(), K, wp, sp, G, group_size / 2, b0, yp, N);
-      } else if (nt == NT) {  // 3-4 rows: two blocks at a time
-        rows<2>(r, xq.data(), xs.data(), K, wp, sp, G, group_size / 2, b0, yp, N);
-        rows<2>(r, xq.data(), xs.data(), K, wp, sp, G, group_size / 2, b0 + 2, yp, N);
-      } else {
-        for (int t = 0; t < nt; ++t)
-          rows<1>(r, xq.data(), xs.data(), K, wp, sp, G, group_size / 2, b0 + t, yp, N);
-      }
-    }
-  });
+  return run_rows<false>(x, codes, scales.data_ptr<float>(), nullptr, group_size);
 #else
   (void)codes, (void)scales, (void)group_size;
   TORCH_CHECK(false, "linear_i8g_rows needs AVX512-VNNI");
 #endif
-  return y;
+}
+
+// y [.., N] = x [.., K] @ W^T for int8 codes with one bf16 scale per output row (Int8Linear)
+// in the int8-group layout (codes [N/16, K/2, 16, 2]), up to kI8gRowsMax rows, x in groups
+// of 32 inputs.
+at::Tensor linear_i8_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == TN_ROWS && codes.size(3) == 2 &&
+                  codes.scalar_type() == at::kChar && codes.is_contiguous(),
+              "codes must be a contiguous [N/16, K/2, 16, 2] int8 tensor");
+  const int64_t N = codes.size(0) * TN_ROWS, K = codes.size(1) * 2;
+  TORCH_CHECK(K % 32 == 0, "linear_i8_rows needs K a multiple of 32, got ", K);
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N &&
+                  scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(),
+              "scales must be a contiguous [N] bf16 tensor");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K,
+              " features");
+  auto xc = x.reshape({-1, K}).contiguous();
+  TORCH_CHECK(xc.size(0) <= kI8gRowsMax, "linear_i8_rows takes up to ", kI8gRowsMax, " rows");
+#ifdef FF_INT16_ROWS
+  auto y = run_rows<true>(xc, codes, nullptr,
+                          reinterpret_cast<const uint16_t*>(scales.data_ptr()), 32);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
+#else
+  TORCH_CHECK(false, "linear_i8_rows needs AVX512-VNNI");
+#endif
 }
 
 }  // namespace ff

@@ -48,10 +48,12 @@ at::Tensor paged_prefill_attention_amx(const at::Tensor& q, const at::Tensor& kv
 at::Tensor linear_i8g_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           int64_t group_size);
 // Batches up to this many rows of linear_i8g_amx take linear_i8g_rows where the CPU has
-// AVX512-VNNI (int16 rows, integer dot products: linear_i8g.cpp).
+// AVX512-VNNI (int8_rows_native: int16 rows, integer dot products, linear_i8g.cpp); Int8Linear's
+// linear_i8_rows takes as many.
 constexpr int64_t kI8gRowsMax = 4;
 constexpr int64_t TN_ROWS = 16;  // output features per block of the int8-group layout
-bool linear_i8g_rows_native();
+bool int8_rows_native();
 at::Tensor linear_i8g_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                            int64_t group_size);
+at::Tensor linear_i8_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 }  // namespace ff
