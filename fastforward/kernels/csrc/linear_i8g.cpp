@@ -24,6 +24,7 @@ namespace {
 constexpr int TN = 16;       // output features per block
 constexpr int PAIR_BYTES = 32;
 constexpr int PF = 32;       // input pairs (1 KiB) ahead on each block's stream
+constexpr int MR_MAX = 4;    // rows per register block
 
 // MR rows x NT blocks from block b0. One row keeps even and odd input pairs in two chains per
 // block (8 with NT = 4) to cover vpdpwssd's latency; more rows have MR x NT chains already.
@@ -111,19 +112,23 @@ at::Tensor run_rows(const at::Tensor& x, const at::Tensor& codes, const float* s
   constexpr int NT = 4;
   const int64_t steps = (nb + NT - 1) / NT, ppg = group_size / 2;
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / (K * TN * NT));  // >= 32 KiB of codes
-  const int r = int(M);
   at::parallel_for(0, steps, grain, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t b0 = s * NT;
       const int nt = int(std::min<int64_t>(NT, nb - b0));
-      if (nt == NT && r <= 2) {
-        rows<4, ROW>(r, xq.data(), xs.data(), K, wp, sc, rs, G, ppg, b0, yp, N);
-      } else if (nt == NT) {  // 3-4 rows: two blocks at a time
-        rows<2, ROW>(r, xq.data(), xs.data(), K, wp, sc, rs, G, ppg, b0, yp, N);
-        rows<2, ROW>(r, xq.data(), xs.data(), K, wp, sc, rs, G, ppg, b0 + 2, yp, N);
-      } else {
-        for (int t = 0; t < nt; ++t)
-          rows<1, ROW>(r, xq.data(), xs.data(), K, wp, sc, rs, G, ppg, b0 + t, yp, N);
+      for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {  // the blocks' codes stay in cache meanwhile
+        const int r = int(std::min<int64_t>(MR_MAX, M - m0));
+        const int16_t* xm = xq.data() + m0 * K;
+        const float* xsm = xs.data() + m0 * G;
+        uint16_t* ym = yp + m0 * N;
+        if (nt == NT && r <= 2) {
+          rows<4, ROW>(r, xm, xsm, K, wp, sc, rs, G, ppg, b0, ym, N);
+        } else if (nt == NT) {  // 3-4 rows: two blocks at a time
+          rows<2, ROW>(r, xm, xsm, K, wp, sc, rs, G, ppg, b0, ym, N);
+          rows<2, ROW>(r, xm, xsm, K, wp, sc, rs, G, ppg, b0 + 2, ym, N);
+        } else {
+          for (int t = 0; t < nt; ++t) rows<1, ROW>(r, xm, xsm, K, wp, sc, rs, G, ppg, b0 + t, ym, N);
+        }
       }
     }
   });
@@ -141,10 +146,11 @@ bool int8_rows_native() {
 #endif
 }
 
-// x [M, K] bf16 (M up to kI8gRowsMax), codes and scales as linear_i8g_amx (checked there).
+// x [M, K] bf16, codes and scales as linear_i8g_amx (checked there). Rows go 4 at a time over
+// each block's codes, so the cost grows with the rows (linear_i8g_amx hands over up to
+// kI8gRowsMax).
 at::Tensor linear_i8g_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                            int64_t group_size) {
-  TORCH_CHECK(x.size(0) <= kI8gRowsMax, "linear_i8g_rows takes up to ", kI8gRowsMax, " rows");
 #ifdef FF_INT16_ROWS
   return run_rows<false>(x, codes, scales.data_ptr<float>(), nullptr, group_size);
 #else
@@ -154,8 +160,8 @@ at::Tensor linear_i8g_rows(const at::Tensor& x, const at::Tensor& codes, const a
 }
 
 // y [.., N] = x [.., K] @ W^T for int8 codes with one bf16 scale per output row (Int8Linear)
-// in the int8-group layout (codes [N/16, K/2, 16, 2]), up to kI8gRowsMax rows, x in groups
-// of 32 inputs.
+// in the int8-group layout (codes [N/16, K/2, 16, 2]), x in groups of 32 inputs; meant for
+// few rows (Int8Linear.native_rows_max).
 at::Tensor linear_i8_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) == TN_ROWS && codes.size(3) == 2 &&
                   codes.scalar_type() == at::kChar && codes.is_contiguous(),
@@ -168,7 +174,6 @@ at::Tensor linear_i8_rows(const at::Tensor& x, const at::Tensor& codes, const at
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K,
               " features");
   auto xc = x.reshape({-1, K}).contiguous();
-  TORCH_CHECK(xc.size(0) <= kI8gRowsMax, "linear_i8_rows takes up to ", kI8gRowsMax, " rows");
 #ifdef FF_INT16_ROWS
   auto y = run_rows<true>(xc, codes, nullptr,
                           reinterpret_cast<const uint16_t*>(scales.data_ptr()), 32);
