@@ -387,6 +387,10 @@ def test_cli_quantize_and_eval(tiny_model_dir, tmp_path, capsys):
     assert set(rows) == {"fp32", "bf16", "int8", "int4"}
     assert rows["fp32"]["tokens_scored"] == 79 and rows["fp32"]["ppl_vs_fp32_pct"] == 0
     assert rows["int8"]["weight_bytes"] < 0.5 * rows["fp32"]["weight_bytes"]
+    # bf16 on the native kernels keeps extra copies of each layer for other batch sizes: the
+    # weights still count once, 16 bits each
+    assert rows["bf16"]["bits_per_weight"] == 16
+    assert rows["bf16"]["weight_bytes"] * 2 == rows["fp32"]["weight_bytes"]
     assert rows["bf16"]["kv_bytes_per_token"] * 2 == rows["fp32"]["kv_bytes_per_token"]
     assert prefix.with_suffix(".csv").read_text().startswith("format,")
     try:

@@ -104,7 +104,7 @@ def cast_float_params(model: nn.Module, dtype: torch.dtype) -> None:
 
 @dataclass(frozen=True, slots=True)
 class WeightStats:
-    bytes: int  # memory of all parameters and packed buffers
+    bytes: int  # memory of the weights, each once in the format it is stored in
     num_weights: int  # weights of the model they stand for
 
     @property
@@ -113,14 +113,31 @@ class WeightStats:
 
 
 def weight_stats(model: nn.Module) -> WeightStats:
+    """Parameters and quantized layers' packed buffers, each storage once. A bf16 layer on the
+    native kernels (``PackedLinear``) keeps copies for different batch sizes (packed rows, AMX
+    tiles or oneDNN's blocks, sometimes the dense weight): its weight counts once, as bf16; a
+    tied output layer reads the embedding, which counts already."""
+    from fastforward.kernels.linear import PackedLinear  # lazy: the kernels import quant
+
     seen: set[tuple[int, int]] = set()
     nbytes = 0
+    # by storage: a tied output layer may hold its own Parameter over the embedding's data
+    count = sum(
+        p.numel() for p in {(p.data_ptr(), p.numel()): p for p in model.parameters()}.values()
+    )
+    copies: set[int] = set()  # PackedLinear buffers: stand-ins for a weight counted elsewhere
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            copies.update(id(b) for b in m.buffers(recurse=False))
+            if m.dense is None:  # else its weight is a parameter (counted below)
+                seen.add((m.packed.data_ptr(), -1))
+                nbytes += 2 * m.num_weights
+                count += m.num_weights
     for t in chain(model.parameters(), model.buffers()):
         key = (t.data_ptr(), t.numel())
-        if key not in seen:
+        if id(t) not in copies and key not in seen:
             seen.add(key)
             nbytes += t.numel() * t.element_size()
-    count = sum(p.numel() for p in model.parameters())
     count += sum(
         m.num_weights
         for m in model.modules()
