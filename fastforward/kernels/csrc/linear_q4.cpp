@@ -67,6 +67,36 @@ inline __m512 load_bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// Each of MR x NT vectors set to v.
+template <int MR, int NT, typename V>
+inline void fill(V (&a)[MR][NT], V v) {
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) a[m][t] = v;
+}
+
+// The 64 codes of quad q of tile t (from wt) as words, one byte each (both nibbles), with the
+// tile's stream prefetched FF_Q4_PF quads ahead on even quads.
+inline __m512i quad_bytes(const uint8_t* wt, int64_t tile_bytes, int t, int64_t q) {
+  const uint8_t* src = wt + t * tile_bytes + q * QUAD_BYTES;
+  if (FF_Q4_PF > 0 && (q & 1) == 0)
+    _mm_prefetch(reinterpret_cast<const char*>(src + FF_Q4_PF * QUAD_BYTES), _MM_HINT_T0);
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+
+// acc[m][t] rounded to bf16 into row m of y, tile t0 + t.
+template <int MR, int NT>
+inline void store_rows(const __m512 (&acc)[MR][NT], uint16_t* y, int64_t N, int64_t t0) {
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      const __m256bh out = _mm512_cvtneps_pbh(acc[m][t]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (t0 + t) * TILE), (__m256i)out);
+    }
+}
+
 // MR rows x NT tiles from tile t0, through the table. One row keeps the low and high halves of
 // each quad in two dot-product chains (8 chains with NT = 4) to cover vdpbf16ps's latency; more
 // rows have MR x NT independent chains already.
@@ -78,16 +108,11 @@ void block(const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, i
   const int64_t tile_bytes = K / 4 * QUAD_BYTES;
   const uint8_t* wt = w + t0 * tile_bytes;
   __m512 acc[MR][NT];
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+  fill(acc, _mm512_setzero_ps());
   for (int64_t g = 0; g < G; ++g) {
     __m512 dl[MR][NT], dh[MR][NT];
-#pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-      for (int t = 0; t < NT; ++t) dl[m][t] = dh[m][t] = _mm512_setzero_ps();
+    fill(dl, _mm512_setzero_ps());
+    fill(dh, _mm512_setzero_ps());
     const int64_t q0 = g * quads_per_group;
     for (int64_t q = q0; q < q0 + quads_per_group; ++q) {
       __m512i xl[MR], xh[MR];
@@ -98,11 +123,7 @@ void block(const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, i
       }
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) {
-        if (FF_Q4_PF > 0 && (q & 1) == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(wt + t * tile_bytes + (q + FF_Q4_PF) * QUAD_BYTES), _MM_HINT_T0);
-        const __m256i bytes =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + t * tile_bytes + q * QUAD_BYTES));
-        const __m512i b = _mm512_cvtepu8_epi16(bytes);
+        const __m512i b = quad_bytes(wt, tile_bytes, t, q);
         // vpermw reads index bits 0-4: bit 4 (the high nibble's lowest) picks between two equal
         // halves of the 32-entry table, so the low nibble needs no mask.
         const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(b, table);
@@ -128,13 +149,7 @@ void block(const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, i
       }
     }
   }
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) {
-      const __m256bh out = _mm512_cvtneps_pbh(acc[m][t]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (t0 + t) * TILE), (__m256i)out);
-    }
+  store_rows(acc, y, N, t0);
 }
 
 // MR rows x NT tiles from tile t0 for the int4 table: x as int16 groups (xq, scales xs, float
@@ -149,16 +164,11 @@ void block_i16(const int16_t* xq, int64_t K, const uint8_t* w, const uint16_t* s
   const uint8_t* wt = w + t0 * tile_bytes;
   const __m512i nib = _mm512_set1_epi16(0x000f);
   __m512 acc[MR][NT];
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+  fill(acc, _mm512_setzero_ps());
   for (int64_t g = 0; g < G; ++g) {
     __m512i dl[MR][NT], dh[MR][NT];
-#pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-      for (int t = 0; t < NT; ++t) dl[m][t] = dh[m][t] = _mm512_setzero_si512();
+    fill(dl, _mm512_setzero_si512());
+    fill(dh, _mm512_setzero_si512());
     const int64_t q0 = g * quads_per_group;
     for (int64_t q = q0; q < q0 + quads_per_group; ++q) {
       __m512i xl[MR], xh[MR];
@@ -169,11 +179,7 @@ void block_i16(const int16_t* xq, int64_t K, const uint8_t* w, const uint16_t* s
       }
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) {
-        if (FF_Q4_PF > 0 && (q & 1) == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(wt + t * tile_bytes + (q + FF_Q4_PF) * QUAD_BYTES), _MM_HINT_T0);
-        const __m256i bytes =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + t * tile_bytes + q * QUAD_BYTES));
-        const __m512i b = _mm512_cvtepu8_epi16(bytes);
+        const __m512i b = quad_bytes(wt, tile_bytes, t, q);
         const __m512i lo = _mm512_and_si512(b, nib);  // word 2i + j: code[i][4q + j]
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);  // code[i][4q + 2 + j]
 #pragma GCC unroll 4
@@ -199,13 +205,7 @@ void block_i16(const int16_t* xq, int64_t K, const uint8_t* w, const uint16_t* s
       }
     }
   }
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) {
-      const __m256bh out = _mm512_cvtneps_pbh(acc[m][t]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (t0 + t) * TILE), (__m256i)out);
-    }
+  store_rows(acc, y, N, t0);
 }
 
 template <int NT>
