@@ -12,6 +12,21 @@ from fastforward.quant.base import QuantizedLinear
 from fastforward.quant.rtn import KERNEL_DTYPE, Int8Weights
 
 
+def to_blocks(codes: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` int8 codes as the native kernels' blocks ``[N/16, K/2, 16, 2]``: per block of
+    16 output rows and input pair, the 16 rows' two codes side by side."""
+    n, k = codes.shape
+    return codes.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def from_blocks(blocks: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """``to_blocks`` undone: ``[N, K]`` codes, or ``[R, K]`` of rows ``index`` (reading only
+    those rows). Works the same on per-block scales ``[N/16, G, 16]``."""
+    if index is None:
+        return blocks.transpose(1, 2).reshape(blocks.shape[0] * 16, -1)
+    return blocks[index // 16, :, index % 16].reshape(len(index), -1)
+
+
 class Int8Linear(QuantizedLinear):
     """Weight-only int8 with one bf16 scale per output row: ``w = codes * scales``. Small
     batches run ``aten._weight_int8pack_mm``, or, once the engine moves the model onto
@@ -41,7 +56,7 @@ class Int8Linear(QuantizedLinear):
         n, k = self.out_features, self.in_features
         if self.native or n % 16 or k % 32 or not kernels.ops().int8_rows_native():
             return
-        self.codes = self.codes.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+        self.codes = to_blocks(self.codes)
         self.native = True
 
     @property
@@ -50,12 +65,9 @@ class Int8Linear(QuantizedLinear):
 
     def plain_codes(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """``[N, K]`` (or ``[R, K]`` for rows ``index``) int8 codes, whatever the layout."""
-        n, k = self.out_features, self.in_features
-        if not self.native:
-            return self.codes if index is None else self.codes[index]
-        if index is None:
-            return self.codes.transpose(1, 2).reshape(n, k)
-        return self.codes[index // 16, :, index % 16].reshape(len(index), k)
+        if self.native:
+            return from_blocks(self.codes, index)
+        return self.codes if index is None else self.codes[index]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.kernel_rows_max:
@@ -116,7 +128,7 @@ class Int8GroupLinear(QuantizedLinear):
         """On an AMX CPU, repack the same codes and scales for
         ``torch.ops.fastforward.linear_i8g_amx``, which expands them to bf16 tiles once per
         call: faster than the per-group ATen calls at every batch size (Q8_0 [49152, 576], 2
-        threads: 1 row 3.0 -> 1.7 ms, 64 rows 120 -> 3.2). Up to 4 rows the op multiplies the
+        threads: 1 row 3.0 -> 1.7 ms, 64 rows 120 -> 3.2). Up to 16 rows the op multiplies the
         codes in place instead (``linear_i8g.cpp``: int16 rows, AVX512-VNNI; from memory 1 row
         3.3 -> 1.3 ms)."""
         from fastforward import kernels
@@ -125,7 +137,7 @@ class Int8GroupLinear(QuantizedLinear):
         if self.native or n % 16 or g % 2 or not kernels.ops().amx_native():
             return
         codes, scales = self._plain()
-        self.codes = codes.view(n // 16, 16, -1, 2).transpose(1, 2).contiguous()
+        self.codes = to_blocks(codes)
         self.scales = scales.float().view(n // 16, 16, -1).transpose(1, 2).contiguous()
         self._ones = None
         self.native = True
@@ -133,14 +145,9 @@ class Int8GroupLinear(QuantizedLinear):
     def _plain(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes ``[R, K]`` int8 and scales ``[R, K/g]`` (as stored) of all rows or rows
         ``index``; a lookup reads only its rows."""
-        n, k = self.out_features, self.in_features
+        k = self.in_features
         if self.native:
-            if index is None:
-                codes = self.codes.transpose(1, 2).reshape(n, k)
-                scales = self.scales.transpose(1, 2).reshape(n, -1)
-            else:
-                codes = self.codes[index // 16, :, index % 16].reshape(len(index), k)
-                scales = self.scales[index // 16, :, index % 16]
+            codes, scales = from_blocks(self.codes, index), from_blocks(self.scales, index)
             return codes, scales.to(self.scale_dtype)
         codes = self.codes if index is None else self.codes[:, index]  # [B, R, g]
         scales = self.scales if index is None else self.scales[:, index]  # [B, R, 1]

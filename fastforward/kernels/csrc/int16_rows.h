@@ -1,14 +1,17 @@
-// Rows of bf16 activations as int16 per group of inputs, for integer dot products with
-// weight codes (AVX512-VNNI's vpdpwssd: two int16 products per int32 lane, exact): the 4-bit
-// kernel's int4 path (linear_q4.cpp) and the int8-group kernel's few-row path
-// (linear_i8g.cpp). A group's step is max |x| / 32767, 2^-16 of its largest element, where
-// bf16 itself carries 2^-9 of each element.
+// What the few-row kernels of packed weights share (linear_q4.cpp, linear_i8g.cpp): rows of bf16
+// activations as int16 per group of inputs, for integer dot products with weight codes
+// (AVX512-VNNI's vpdpwssd: two int16 products per int32 lane, exact; a group's step is
+// max |x| / 32767, 2^-16 of its largest element, where bf16 itself carries 2^-9 of each
+// element), and the walk over blocks of 16 output features and rows.
 #pragma once
+
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -18,15 +21,17 @@
 
 namespace ff {
 
+// 16 bf16 -> fp32 (exact: the bf16 bits are the high half).
+inline __m512 load_bf16x16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // Each group of each row of x [M, K] bf16 as int16: xq = round(x / xs) with xs = max |x| / 32767
 // (0 for an all-zero group), and the group's sum of x in fp32 (sx; may be null).
 inline void quantize_groups(const uint16_t* x, int64_t M, int64_t K, int64_t group, int16_t* xq,
                             float* xs, float* sx) {
   constexpr int64_t L = 16;
-  auto load16 = [](const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  };
   const int64_t G = K / group;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
@@ -35,7 +40,7 @@ inline void quantize_groups(const uint16_t* x, int64_t M, int64_t K, int64_t gro
       __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
       int64_t k = 0;
       for (; k + L <= group; k += L) {
-        const __m512 v = load16(src + k);
+        const __m512 v = load_bf16x16(src + k);
         vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
         vsum = _mm512_add_ps(vsum, v);
       }
@@ -50,7 +55,7 @@ inline void quantize_groups(const uint16_t* x, int64_t M, int64_t K, int64_t gro
       if (sx) sx[m * G + g] = sum;
       const __m512 iv = _mm512_set1_ps(inv);
       for (k = 0; k + L <= group; k += L) {
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(src + k), iv));
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16(src + k), iv));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm512_cvtsepi32_epi16(q));
       }
       for (; k < group; ++k) dst[k] = int16_t(std::nearbyint(bf16_to_float(src[k]) * inv));
@@ -62,6 +67,42 @@ inline __m512i splat_pair(const void* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
   return _mm512_set1_epi32(v);
+}
+
+// kernel(NT, MR, m0, b0) over blocks [0, blocks) of 16 output features and rows [0, M): blocks
+// 4 at a time for 1-2 rows, 2 + 2 for 3-4 rows, a last short run one by one (NT and MR arrive as
+// std::integral_constant); rows 4 at a time over each run of blocks, whose codes stay in cache
+// meanwhile; threads over runs of at least 32 KiB of codes (block_bytes each).
+template <typename F>
+void for_row_blocks(int64_t blocks, int64_t M, int64_t block_bytes, F&& kernel) {
+  constexpr int NT = 4, MR_MAX = 4;
+  const int64_t runs = (blocks + NT - 1) / NT;
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / (block_bytes * NT));
+  auto with_rows = [&](auto nt, int r, int64_t m0, int64_t b0) {
+    switch (r) {
+      case 1: return kernel(nt, std::integral_constant<int, 1>{}, m0, b0);
+      case 2: return kernel(nt, std::integral_constant<int, 2>{}, m0, b0);
+      case 3: return kernel(nt, std::integral_constant<int, 3>{}, m0, b0);
+      default: return kernel(nt, std::integral_constant<int, 4>{}, m0, b0);
+    }
+  };
+  at::parallel_for(0, runs, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t run = r0; run < r1; ++run) {
+      const int64_t b0 = run * NT;
+      const int nt = int(std::min<int64_t>(NT, blocks - b0));
+      for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+        const int r = int(std::min<int64_t>(MR_MAX, M - m0));
+        if (nt == NT && r <= 2) {
+          with_rows(std::integral_constant<int, 4>{}, r, m0, b0);
+        } else if (nt == NT) {
+          with_rows(std::integral_constant<int, 2>{}, r, m0, b0);
+          with_rows(std::integral_constant<int, 2>{}, r, m0, b0 + 2);
+        } else {
+          for (int t = 0; t < nt; ++t) with_rows(std::integral_constant<int, 1>{}, r, m0, b0 + t);
+        }
+      }
+    }
+  });
 }
 
 }  // namespace ff

@@ -57,15 +57,9 @@ namespace {
 
 constexpr int TILE = 16;
 constexpr int QUAD_BYTES = 32;
-constexpr int MR_MAX = 4;
 #ifndef FF_Q4_PF
 #define FF_Q4_PF 32  // quads (1 KiB) ahead on each tile's stream: ~15% at one row, measured
 #endif
-
-inline __m512 load_bf16x16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 // Each of MR x NT vectors set to v.
 template <int MR, int NT, typename V>
@@ -100,8 +94,10 @@ inline void store_rows(const __m512 (&acc)[MR][NT], uint16_t* y, int64_t N, int6
 // MR rows x NT tiles from tile t0, through the table. One row keeps the low and high halves of
 // each quad in two dot-product chains (8 chains with NT = 4) to cover vdpbf16ps's latency; more
 // rows have MR x NT independent chains already.
+// noinline: kept out of for_row_blocks' walk (inlined there, the [3072, 576] int4 matrix
+// from L3 took 62-65 us against 39-46)
 template <int MR, int NT>
-void block(const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, int C,
+__attribute__((noinline)) void block(const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, int C,
            const float* sx, int64_t G, int64_t quads_per_group, __m512i table, int64_t t0,
            uint16_t* y, int64_t N) {
   constexpr bool SPLIT = MR == 1;
@@ -156,7 +152,7 @@ void block(const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, i
 // sums sx; quantize_groups), codes as words, exact int32 dot products per group (vpdpwssd), the
 // same chains as block.
 template <int MR, int NT>
-void block_i16(const int16_t* xq, int64_t K, const uint8_t* w, const uint16_t* sz, int C,
+__attribute__((noinline)) void block_i16(const int16_t* xq, int64_t K, const uint8_t* w, const uint16_t* sz, int C,
                const float* xs, const float* sx, int64_t G, int64_t quads_per_group, int64_t t0,
                uint16_t* y, int64_t N) {
   constexpr bool SPLIT = MR == 1;
@@ -208,32 +204,6 @@ void block_i16(const int16_t* xq, int64_t K, const uint8_t* w, const uint16_t* s
   store_rows(acc, y, N, t0);
 }
 
-template <int NT>
-void rows_i16(int r, const int16_t* xq, int64_t K, const uint8_t* w, const uint16_t* sz, int C,
-              const float* xs, const float* sx, int64_t G, int64_t qpg, int64_t t0, uint16_t* y,
-              int64_t N) {
-  switch (r) {
-    case 1: return block_i16<1, NT>(xq, K, w, sz, C, xs, sx, G, qpg, t0, y, N);
-    case 2: return block_i16<2, NT>(xq, K, w, sz, C, xs, sx, G, qpg, t0, y, N);
-    case 3: return block_i16<3, NT>(xq, K, w, sz, C, xs, sx, G, qpg, t0, y, N);
-    case 4: return block_i16<4, NT>(xq, K, w, sz, C, xs, sx, G, qpg, t0, y, N);
-    default: TORCH_CHECK(false, "bad row block ", r);
-  }
-}
-
-template <int NT>
-void rows(int r, const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* sz, int C,
-          const float* sx, int64_t G, int64_t qpg, __m512i table, int64_t t0, uint16_t* y,
-          int64_t N) {
-  switch (r) {
-    case 1: return block<1, NT>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
-    case 2: return block<2, NT>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
-    case 3: return block<3, NT>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
-    case 4: return block<4, NT>(x, K, w, sz, C, sx, G, qpg, table, t0, y, N);
-    default: TORCH_CHECK(false, "bad row block ", r);
-  }
-}
-
 }  // namespace
 #endif
 
@@ -283,37 +253,14 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
   const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t qpg = group_size / 4;
-  // Tiles in blocks of 4 for 1-2 rows, of 2 + 2 for 3-4 rows, a last short block tile by tile:
-  // kernel(NT, r, m0, t0) runs rows m0 .. m0 + r on tiles t0 .. t0 + NT.
-  auto each_block = [&](auto kernel) {
-    constexpr int NT = 4;
-    const int64_t blocks = (tiles + NT - 1) / NT;
-    const int64_t grain = std::max<int64_t>(1, (1 << 15) / (K * NT * 8));  // >= 32 KiB of codes
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t t0 = b * NT;
-        const int nt = int(std::min<int64_t>(NT, tiles - t0));
-        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-          const int r = int(std::min<int64_t>(MR_MAX, M - m0));
-          if (nt == NT && r <= 2) {
-            kernel(std::integral_constant<int, 4>{}, r, m0, t0);
-          } else if (nt == NT) {
-            kernel(std::integral_constant<int, 2>{}, r, m0, t0);
-            kernel(std::integral_constant<int, 2>{}, r, m0, t0 + 2);
-          } else {
-            for (int t = 0; t < nt; ++t) kernel(std::integral_constant<int, 1>{}, r, m0, t0 + t);
-          }
-        }
-      }
-    });
-  };
   if (int4) {
     std::vector<int16_t> xq(M * K);
     std::vector<float> xs(M * G), sx(M * G);
     quantize_groups(xp, M, K, group_size, xq.data(), xs.data(), sx.data());
-    each_block([&](auto nt, int r, int64_t m0, int64_t t0) {
-      rows_i16<decltype(nt)::value>(r, xq.data() + m0 * K, K, wp, sp, C, xs.data() + m0 * G,
-                                    sx.data() + m0 * G, G, qpg, t0, yp + m0 * N, N);
+    for_row_blocks(tiles, M, K * 8, [&](auto nt, auto mr, int64_t m0, int64_t t0) {
+      block_i16<decltype(mr)::value, decltype(nt)::value>(xq.data() + m0 * K, K, wp, sp, C,
+                                                         xs.data() + m0 * G, sx.data() + m0 * G,
+                                                         G, qpg, t0, yp + m0 * N, N);
     });
     return y.view(out_sizes);
   }
@@ -327,9 +274,10 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
       sx[m * G + g] = s;
     }
   const __m512i tv = _mm512_load_si512(tab);
-  each_block([&](auto nt, int r, int64_t m0, int64_t t0) {
-    rows<decltype(nt)::value>(r, xp + m0 * K, K, wp, sp, C, sx.empty() ? nullptr : sx.data() + m0 * G,
-                              G, qpg, tv, t0, yp + m0 * N, N);
+  for_row_blocks(tiles, M, K * 8, [&](auto nt, auto mr, int64_t m0, int64_t t0) {
+    block<decltype(mr)::value, decltype(nt)::value>(xp + m0 * K, K, wp, sp, C,
+                                                   sx.empty() ? nullptr : sx.data() + m0 * G, G,
+                                                   qpg, tv, t0, yp + m0 * N, N);
   });
 #endif
   return y.view(out_sizes);
