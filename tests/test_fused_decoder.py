@@ -127,3 +127,27 @@ def test_layer_skip_drafts_run_through_the_stack(tiny_model_dir, count_fused_cal
     assert count_fused_calls
     _, plain = _run(directory, False, **kw)
     assert fused == plain
+
+
+@pytest.mark.skipif(
+    not (kernels.available() and kernels.ops().amx_native()), reason="the CPU has no AMX"
+)
+def test_batches_above_the_amx_rows_run_through_the_stack(tiny_model_dir, count_fused_calls):
+    """Decode steps of more rows than the AMX kernel takes (linear.AMX_ROWS_MAX): the stack
+    multiplies by the weight unpacked from the tiles, the one copy kept, as the modules do."""
+    from fastforward.kernels.linear import AMX_ROWS_MAX
+
+    directory, _ = tiny_model_dir("llama")
+    prompts = [[5 + i % 50, 7 + i % 13, 9] for i in range(AMX_ROWS_MAX + 8)]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    got = []
+    for fused in (True, False):
+        llm = LLM(
+            str(directory), fused_layers=fused, kernels="native", dtype="bfloat16",
+            max_num_seqs=len(prompts), max_num_batched_tokens=4096, download_progress=False,
+        )  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got.append([o.outputs[0].token_ids for o in outs])
+        if fused:
+            assert max(count_fused_calls) > AMX_ROWS_MAX
+    assert got[0] == got[1]

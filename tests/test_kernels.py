@@ -65,13 +65,22 @@ needs_amx = pytest.mark.skipif(
 @needs_amx
 @pytest.mark.parametrize(
     ("m", "k", "n"),
-    [(1, 64, 16), (9, 576, 960), (17, 100, 17), (64, 1536, 576), (70, 33, 200), (130, 96, 48)],
+    [
+        (1, 64, 16),
+        (1, 33, 200),
+        (1, 1536, 576),
+        (9, 576, 960),
+        (17, 100, 17),
+        (64, 1536, 576),
+        (70, 33, 200),
+        (130, 96, 48),
+    ],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_amx_matches_fp32_accumulation(m, k, n, bias):
-    """AMX tiles: fp32 sums of the bf16 products whatever the shape (rows, K and N padded to
-    whole tiles); fp32 out as computed, bf16 out rounded once; a row does not depend on the
-    rows batched with it."""
+    """AMX tiles (one row: vdpbf16ps on the same tiles): fp32 sums of the bf16 products
+    whatever the shape (rows, K and N padded to whole tiles); fp32 out as computed, bf16 out
+    rounded once; a row does not depend on the rows batched with it."""
     torch.manual_seed(m * k + n)
     w = torch.randn(n, k).to(torch.bfloat16)
     x = torch.randn(m, k).to(torch.bfloat16)
@@ -88,6 +97,22 @@ def test_linear_amx_matches_fp32_accumulation(m, k, n, bias):
 
 
 @needs_amx
+def test_linear_amx_no_rows_and_unpack():
+    """No rows give an empty result (a prompt chunk with no sequence to sample); the tiles
+    unpack to the bf16 weight bit for bit, padding dropped."""
+    ops = kernels.ops()
+    torch.manual_seed(0)
+    for n, k in [(17, 33), (96, 64), (200, 576)]:
+        w = torch.randn(n, k).to(torch.bfloat16)
+        packed = ops.pack_amx_weight(w)
+        assert torch.equal(ops.unpack_amx_weight(packed, n, k), w)
+        y = ops.linear_amx(torch.empty(0, k, dtype=torch.bfloat16), packed, n, None, True)
+        assert y.shape == (0, n)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.unpack_amx_weight(packed, n + 16, k)
+
+
+@needs_amx
 def test_packed_linear_large_batches_take_amx():
     """On an AMX CPU, batches above ``packed_rows_max`` go through the AMX tiles (no dense or
     oneDNN copy kept); the output projection gets fp32 logits straight from the tiles."""
@@ -98,7 +123,12 @@ def test_packed_linear_large_batches_take_amx():
     torch.manual_seed(0)
     w, b = torch.randn(96, 64), torch.randn(96)
     lin = PackedLinear(w, b, None, keep_dense=True, packed_rows_max=8)
+    # the tiles are the one copy: single rows take them too, and the weight unpacks from them
     assert lin.amx is not None and lin.onednn is None and lin.dense is None
+    assert lin.packed is None and torch.equal(lin.weight, w.to(torch.bfloat16))
+    one = torch.randn(1, 64).to(torch.bfloat16)
+    exact_one = one.double() @ w.to(torch.bfloat16).double().t() + b.double()
+    torch.testing.assert_close(lin(one).double(), exact_one, rtol=1e-2, atol=1e-2)
     x = torch.randn(2, 20, 64).to(torch.bfloat16)
     ref = x.double() @ w.to(torch.bfloat16).double().t() + b.double()
     y = lin(x)
@@ -109,7 +139,7 @@ def test_packed_linear_large_batches_take_amx():
     assert logits.dtype == torch.float32 and head.dense is None
     exact = x[0].double() @ w.to(torch.bfloat16).double().t()
     torch.testing.assert_close(logits.double(), exact, rtol=1e-5, atol=1e-4)
-    # above AMX_ROWS_MAX: F.linear's numbers on the weight unpacked from the packed copy
+    # above AMX_ROWS_MAX: F.linear's numbers on the weight unpacked from the tiles
     big = torch.randn(AMX_ROWS_MAX + 3, 64).to(torch.bfloat16)
     wb = w.to(torch.bfloat16)
     assert torch.equal(lin(big), (F.linear(big, wb) + b).to(torch.bfloat16))

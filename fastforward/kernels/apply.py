@@ -147,6 +147,7 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
             w = embed.weight.detach().to(torch.bfloat16)
             model.lm_head.dense = embed.weight
             model.lm_head.amx = amx_pack(w)
+            model.lm_head.drop_packed()
             model.lm_head.onednn = onednn_prepack(w) if model.lm_head.amx is None else None
         report.linears.append("lm_head (tied)")
     return report

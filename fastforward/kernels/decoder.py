@@ -177,7 +177,8 @@ def _add_linear(stack: Any, lin: nn.Module) -> tuple[int, int] | None:
     """Register one linear layer; (its index, the rows its packed kernel takes), or None."""
     if isinstance(lin, PackedLinear):
         index = stack.add_linear(
-            LINEAR_BF16, lin.packed, lin.large_batch_weight, None, lin.out_features, 0,
+            LINEAR_BF16, lin.amx if lin.packed is None else lin.packed, lin.large_batch_weight,
+            None, lin.out_features, 0,
             lin.packed_rows_max, lin.bias,
         )  # fmt: skip
         return index, NO_LIMIT  # larger batches take the large-batch copy inside the stack

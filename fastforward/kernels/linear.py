@@ -5,7 +5,8 @@ a packed copy of the weight (tiles of 16 output features, ``[N/16, K, 16]``), st
 address order. Larger batches are bound by arithmetic, so a second copy is kept for them where
 the CPU has native bf16 matmul: on AMX CPUs our AMX-tile kernel's own layout (``linear_amx``,
 up to ``AMX_ROWS_MAX`` rows; fp32 results, so the output projection needs no rescoring; larger
-batches take oneDNN on the weight unpacked from the packed copy), else oneDNN's blocked layout
+batches take oneDNN on the weight unpacked from the tiles), which then serves single rows too
+(vdpbf16ps on the same tiles) and is the only copy kept, else oneDNN's blocked layout
 where PyTorch can prepack it (``mkldnn::_reorder_linear_weight``; ``F.linear`` on a plain weight
 reorders it on every call, which cost 1.3-2x at 16-64 rows on an AMX Xeon), else the dense
 ``[N, K]`` weight. On a CPU without native bf16 the packed kernel serves every batch and no
@@ -25,7 +26,7 @@ from fastforward import kernels
 RESCORE_TOP = 16
 
 # Rows up to which the AMX tiles serve a batch; above, oneDNN on the weight unpacked from the
-# packed copy (its reorder amortized over the rows) is the faster. AMX Xeon, 2 threads,
+# tiles (its reorder amortized over the rows) is the faster. AMX Xeon, 2 threads,
 # SmolLM2's four layer matrices, us (a throwaway timing script, noisy): 64 rows 27-141 against
 # oneDNN's prepacked 41-162; 512 rows 193-999 against 298-912; 2,048 rows 816-4,293 against
 # the unpacked weight's 681-3,357. Kept equal to decoder.cpp's kAmxRowsMax.
@@ -74,11 +75,13 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = w.shape
         self.out_sizes = None if out_sizes is None else list(out_sizes)
         self.packed_rows_max = packed_rows_max
-        self.register_buffer("packed", kernels.ops().pack_linear_weight(w), persistent=False)
         # large batches: AMX tiles (fp32 results: the output projection needs no rescoring),
         # else oneDNN's blocked copy, else the dense weight (the output projection keeps the
         # dense one then: its top logits are recomputed from rows of it)
         self.amx = amx_pack(w) if keep_dense else None
+        # the few-row copy; AMX tiles serve single rows too (linear_amx), so then there is none
+        packed = kernels.ops().pack_linear_weight(w) if self.amx is None else None
+        self.register_buffer("packed", packed, persistent=False)
         self.onednn = onednn_prepack(w) if keep_dense and self.amx is None else None
         need_dense = keep_dense and self.amx is None and (self.onednn is None or fp32_out)
         self.dense = nn.Parameter(w, requires_grad=False) if need_dense else None
@@ -92,7 +95,14 @@ class PackedLinear(nn.Module):
         """The ``[N, K]`` bf16 weight (unpacked on demand when no dense copy is kept)."""
         if self.dense is not None:
             return self.dense
+        if self.packed is None:
+            return kernels.ops().unpack_amx_weight(self.amx, self.out_features, self.in_features)
         return kernels.ops().unpack_linear_weight(self.packed, self.out_features)
+
+    def drop_packed(self) -> None:
+        """Free the few-row copy once AMX tiles are set: ``linear_amx`` serves every batch."""
+        if self.amx is not None:
+            self.packed = None
 
     @property
     def large_batch_weight(self) -> torch.Tensor | None:
@@ -109,7 +119,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.large_batch_weight is None or rows <= self.packed_rows_max:
+        if self.packed is not None and (
+            self.large_batch_weight is None or rows <= self.packed_rows_max
+        ):
             x = x.float() if self.fp32_out else x
             return torch.ops.fastforward.linear_bf16(x, self.packed, self.out_features, self.bias)
         if self.amx is not None and rows <= AMX_ROWS_MAX:

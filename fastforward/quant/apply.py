@@ -130,7 +130,6 @@ def weight_stats(model: nn.Module) -> WeightStats:
         if isinstance(m, PackedLinear):
             copies.update(id(b) for b in m.buffers(recurse=False))
             if m.dense is None:  # else its weight is a parameter (counted below)
-                seen.add((m.packed.data_ptr(), -1))
                 nbytes += 2 * m.num_weights
                 count += m.num_weights
     for t in chain(model.parameters(), model.buffers()):

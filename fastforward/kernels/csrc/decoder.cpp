@@ -41,7 +41,7 @@ constexpr int64_t kAmxRowsMax = 512;
 
 struct Linear {
   int64_t kind = kBf16;
-  at::Tensor w;      // packed weight / codes
+  at::Tensor w;      // packed weight (or the AMX tiles, where they are the only copy) / codes
   at::Tensor aux;    // kBf16: AMX tiles, oneDNN-blocked or dense copy (may be undefined); scales
   at::Tensor table;  // kQ4: the 16 levels
   int64_t n = 0;     // output features
@@ -53,13 +53,14 @@ struct Linear {
     const int64_t rows = x.size(0);
     if (kind == kDense) return at::linear(x, w, bias);
     if (kind == kBf16) {
-      if (!aux.defined() || rows <= rows_max) return linear_bf16(x, w, n, bias);
+      const bool tiles_only = w.dim() == 4;  // AMX tiles, the one copy (w and aux alike)
+      if (!tiles_only && (!aux.defined() || rows <= rows_max)) return linear_bf16(x, w, n, bias);
       const bool amx = !aux.is_mkldnn() && aux.dim() == 4;
       if (amx && rows <= kAmxRowsMax) return linear_amx(x, aux, n, bias, false);
-      // AMX tiles above kAmxRowsMax: oneDNN on the weight unpacked from the packed copy
+      // AMX tiles above kAmxRowsMax: oneDNN on the weight unpacked from the tiles
       auto y = aux.is_mkldnn() ? onednn_linear(x.to(at::kBFloat16), aux)
-               : amx           ? at::linear(x.to(at::kBFloat16), unpack_linear_weight(w, n))
-                               : at::linear(x.to(at::kBFloat16), aux);
+               : amx ? at::linear(x.to(at::kBFloat16), unpack_amx_weight(aux, n, x.size(-1)))
+                     : at::linear(x.to(at::kBFloat16), aux);
       if (bias) y = y + *bias;
       return y.to(x.scalar_type());
     }

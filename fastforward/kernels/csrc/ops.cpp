@@ -12,6 +12,7 @@ TORCH_LIBRARY(fastforward, m) {
         &ff::rescore_logits);
   m.def("amx_native() -> bool", &ff::amx_native);
   m.def("pack_amx_weight(Tensor w) -> Tensor", &ff::pack_amx_weight);
+  m.def("unpack_amx_weight(Tensor wpacked, int N, int K) -> Tensor", &ff::unpack_amx_weight);
   m.def("linear_amx(Tensor x, Tensor wpacked, int N, Tensor? bias, bool fp32_out) -> Tensor",
         &ff::linear_amx);
   m.def("linear_q4_native() -> bool", &ff::linear_q4_native);

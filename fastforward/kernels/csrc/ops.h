@@ -28,6 +28,7 @@ at::Tensor rescore_logits(const at::Tensor& y, const at::Tensor& x, const at::Te
                           const std::optional<at::Tensor>& bias, int64_t k);
 bool amx_native();
 at::Tensor pack_amx_weight(const at::Tensor& w);
+at::Tensor unpack_amx_weight(const at::Tensor& wpacked, int64_t N, int64_t K);
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
                       const std::optional<at::Tensor>& bias, bool fp32_out);
 bool linear_q4_native();
