@@ -419,6 +419,9 @@ CASES = [
     ([50, 1], [0, 300], 4, 2, 32, 17, None),  # sliding window
     ([9, 1], [4, 33], 4, 2, 32, None, 5.0),  # logit softcap
     ([1] * 12, list(range(0, 1200, 100)), 8, 2, 128, None, None),
+    # batched decode: one item per sequence takes all its KV heads (rows head-major)
+    ([1] * 8, [40, 90, 16, 17, 33, 1, 200, 64], 9, 3, 64, None, None),
+    ([1] * 6 + [2], [40, 90, 16, 17, 33, 1, 30], 9, 3, 64, 25, None),
 ]
 
 
