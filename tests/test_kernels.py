@@ -422,6 +422,8 @@ CASES = [
     # batched decode: one item per sequence takes all its KV heads (rows head-major)
     ([1] * 8, [40, 90, 16, 17, 33, 1, 200, 64], 9, 3, 64, None, None),
     ([1] * 6 + [2], [40, 90, 16, 17, 33, 1, 30], 9, 3, 64, 25, None),
+    ([1], [2000], 9, 3, 64, None, None),  # all heads per item, the key range split in parts
+    ([1, 1], [1500, 40], 9, 3, 64, 300, None),
 ]
 
 

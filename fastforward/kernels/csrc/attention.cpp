@@ -501,26 +501,36 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   std::vector<int64_t> qpos0(B);
-  int64_t max_len = 0, chunks = 0;
+  constexpr bool bf16_pair = std::is_same_v<QT, uint16_t> && std::is_same_v<CT, uint16_t>;
+  const bool dp = bf16_pair && kHaveDp && g.D % 2 == 0;
+  // Decode on the bf16 path: one item takes all the sequence's KV heads, so each cache block is
+  // read as one span of its rows (the heads side by side) instead of KVH strided passes, and a
+  // split key range splits that span. SmolLM2's 3 KV heads, 30 layers from memory, 2 threads on
+  // the AMX Xeon (a throwaway timing script, alternating runs): 64 sequences of 174 keys
+  // 0.64-0.68 -> 0.55-0.60 ms a layer; one of 4,000 keys 288-315 -> 198-206 us.
+  const bool spans = dp && g.KVH > 1 && g.KVH * g.D * 2 <= D_MAX * 4;  // prefetch queue's room
+  auto all_heads = [&](int64_t nt) { return spans && nt * g.G * g.KVH <= ROWS_MAX; };
+  int64_t max_len = 0, base = 0;  // base: items before the key range is split
   for (int64_t b = 0; b < B; ++b) {
     const int64_t qlen = qs[b + 1] - qs[b];
     TORCH_CHECK(qlen >= 0 && qlen <= sl[b], "sequence ", b, " has more queries than keys");
     TORCH_CHECK((sl[b] + g.BS - 1) / g.BS <= g.W, "sequence ", b, " outgrows its block table");
     qpos0[b] = sl[b] - qlen - qs[b];
     max_len = std::max(max_len, sl[b]);
-    chunks += (qlen + g.qc - 1) / g.qc;
+    for (int64_t t0 = 0; t0 < qlen; t0 += g.qc)
+      base += all_heads(std::min(g.qc, qlen - t0)) ? 1 : g.KVH;
   }
   // Split the key range when the items would leave threads idle and the keys are many.
-  const int64_t threads = at::get_num_threads(), base = chunks * g.KVH;
+  const int64_t threads = at::get_num_threads();
   int64_t parts = 1;
   if (base > 0 && base < 4 * threads) {
     const int64_t cap = std::max<int64_t>(1, max_len / 512);
     parts = std::min((4 * threads + base - 1) / base, cap);
-    // whole rounds of items per thread where the cap allows (3 KV heads on 2 threads: 4 parts)
+    // whole rounds of items per thread: up where the cap allows (3 KV heads on 2 threads: 4
+    // parts), else down (one sequence's span capped at 7 parts: 6)
     while (parts < cap && (base * parts) % threads != 0) ++parts;
+    while (parts > 1 && base * parts > threads && (base * parts) % threads != 0) --parts;
   }
-  constexpr bool bf16_pair = std::is_same_v<QT, uint16_t> && std::is_same_v<CT, uint16_t>;
-  const bool dp = bf16_pair && kHaveDp && g.D % 2 == 0;
   std::vector<Item> items;
   items.reserve(base * parts);
   for (int64_t b = 0; b < B; ++b) {
@@ -529,18 +539,10 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
     const int64_t step = (span + g.BS - 1) / g.BS * g.BS;  // block-aligned parts
     for (int64_t t0 = qs[b]; t0 < qs[b] + qlen; t0 += g.qc) {
       const int64_t nt = std::min(g.qc, qs[b] + qlen - t0);
-      // Decode on the bf16 path: one item takes all the sequence's KV heads, so each cache
-      // block is read as one span of its rows (the heads side by side) instead of KVH strided
-      // passes: 64 sequences of 174 keys x 3 KV heads, 30 layers from memory, 0.64-0.68 ->
-      // 0.55-0.60 ms a layer (AMX Xeon, 2 threads, a throwaway timing script).
-      if (dp && parts == 1 && g.KVH > 1 && nt * g.G * g.KVH <= ROWS_MAX &&
-          g.KVH * g.D * 2 <= D_MAX * 4) {  // the prefetch queue's room for a span
-        items.push_back({b, 0, t0, nt, 0, sl[b], g.KVH});
-        continue;
-      }
-      for (int64_t h = 0; h < g.KVH; ++h)
+      const int64_t nh = all_heads(nt) ? g.KVH : 1;
+      for (int64_t h = 0; h < g.KVH; h += nh)
         for (int64_t p = 0; p < parts; ++p)
-          items.push_back({b, h, t0, nt, p * step, std::min((p + 1) * step, sl[b])});
+          items.push_back({b, h, t0, nt, p * step, std::min((p + 1) * step, sl[b]), nh});
     }
   }
   const int64_t D = g.D, stride = ROWS_MAX * (D + 2);
