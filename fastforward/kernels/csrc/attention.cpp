@@ -407,7 +407,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
         for (int pi = 0; pi < P; ++pi) {
           pf.issue(1);
           const __m512bh k = (__m512bh)kt[pi];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
           for (int u = 0; u < 4; ++u) {
             if (u >= nr) break;
             a[u][pi & 1] = _mm512_dpbf16_ps(
@@ -457,7 +457,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
           for (int jp = 0; jp < npairs; ++jp) {
             pf.issue(1);
             const __m512bh v0 = (__m512bh)vt[jp][c][0], v1 = (__m512bh)vt[jp][c][1];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
             for (int u = 0; u < 4; ++u) {
               if (u >= nr) break;
               const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pp[r0 + u][jp]));
