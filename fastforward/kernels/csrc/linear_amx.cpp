@@ -110,59 +110,48 @@ void pass(const uint16_t* a, int64_t Kp, int64_t m0, int64_t mt, int64_t M, cons
   }
 }
 
-// Up to kVecRows rows: vdpbf16ps straight on the B tiles, whose rows are already the pairs it
-// multiplies (tile row p of tile c: K pair 16c + p of the block's 16 features), so one copy of
-// the weight serves every batch and the packed kernel's own copy is not kept. Four blocks
-// stream side by side, one chain each (a row's sum runs over K in order): one core's reads
-// from memory are bound by how many lines are in flight, and four streams keep the hardware
-// prefetcher further ahead than one. SmolLM2's 120 layer matrices and output projection from
-// memory, 1 row, 2 threads: 12.6-13.3 ms, against 16.2-16.7 with one block at a time and
-// 13.6-15.7 on linear_bf16's packed copy (a throwaway timing script, alternating runs).
-constexpr int64_t kVecRows = 1;
-constexpr int kVecBlocks = 4;
+// One row: vdpbf16ps straight on the B tiles, whose rows are already the pairs it multiplies
+// (tile row p of tile c: K pair 16c + p of the block's 16 features), so one copy of the weight
+// serves every batch and the packed kernel's own copy is not kept. Four blocks stream side by
+// side, one chain each (the row's sum runs over K in order): one core's reads from memory are
+// bound by how many lines are in flight, and four streams keep the hardware prefetcher further
+// ahead than one. SmolLM2's 120 layer matrices and output projection from memory, 2 threads:
+// 12.6-13.3 ms, against 16.2-16.7 with one block at a time and 13.6-15.7 on linear_bf16's
+// packed copy (a throwaway timing script, alternating runs).
+constexpr int kRowBlocks = 4;
 
-template <int R, typename OT>
-void rows_vec(const uint16_t* x, int64_t Kp, const uint16_t* wp, int64_t kc, int64_t b0,
-              int64_t b1, const float* bias, int64_t N, OT* y) {
-  const auto* xq = reinterpret_cast<const uint32_t*>(x);  // row r's pair j at xq[r * P + j]
-  const int64_t P = Kp / 2, pairs = kc * TK / 2, bstride = kc * TILE;
-  for (int64_t bb = b0; bb < b1; bb += kVecBlocks) {
-    const int nbk = int(std::min<int64_t>(kVecBlocks, b1 - bb));
+template <typename OT>
+void one_row(const uint16_t* x, const uint16_t* wp, int64_t kc, int64_t b0, int64_t b1,
+             const float* bias, int64_t N, OT* y) {
+  const auto* xq = reinterpret_cast<const uint32_t*>(x);  // x's K pairs
+  const int64_t pairs = kc * TK / 2, bstride = kc * TILE;
+  auto dp = [&](__m512 acc, const uint16_t* w, int64_t j) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * 2 * TN);
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(int(xq[j])), wv);
+  };
+  for (int64_t bb = b0; bb < b1; bb += kRowBlocks) {
+    const int nbk = int(std::min<int64_t>(kRowBlocks, b1 - bb));
     const uint16_t* w = wp + bb * bstride;
-    __m512 acc[R][kVecBlocks];
-    for (int r = 0; r < R; ++r)
-      for (int u = 0; u < kVecBlocks; ++u) acc[r][u] = _mm512_setzero_ps();
-    if (nbk == kVecBlocks) {
+    __m512 acc[kRowBlocks];
+    for (int u = 0; u < kRowBlocks; ++u) acc[u] = _mm512_setzero_ps();
+    if (nbk == kRowBlocks) {  // the blocks side by side
       for (int64_t j = 0; j < pairs; ++j)
 #pragma GCC unroll 4
-        for (int u = 0; u < kVecBlocks; ++u) {
-          const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + u * bstride + j * 2 * TN);
-          for (int r = 0; r < R; ++r)
-            acc[r][u] = _mm512_dpbf16_ps(
-                acc[r][u], (__m512bh)_mm512_set1_epi32(int(xq[r * P + j])), wv);
-        }
-    } else {
+        for (int u = 0; u < kRowBlocks; ++u) acc[u] = dp(acc[u], w + u * bstride, j);
+    } else {  // a short last run, block by block (the same sums)
       for (int u = 0; u < nbk; ++u)
-        for (int64_t j = 0; j < pairs; ++j) {
-          const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + u * bstride + j * 2 * TN);
-          for (int r = 0; r < R; ++r)
-            acc[r][u] = _mm512_dpbf16_ps(
-                acc[r][u], (__m512bh)_mm512_set1_epi32(int(xq[r * P + j])), wv);
-        }
+        for (int64_t j = 0; j < pairs; ++j) acc[u] = dp(acc[u], w + u * bstride, j);
     }
     for (int u = 0; u < nbk; ++u) {
       const int64_t b = bb + u;
       const int64_t nv = std::clamp<int64_t>(N - b * TN, 0, TN);
       const __mmask16 keep = __mmask16((1u << nv) - 1);
       const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + b * TN) : _mm512_setzero_ps();
-      for (int r = 0; r < R; ++r) {
-        const __m512 v = _mm512_add_ps(acc[r][u], bv);
-        OT* dst = y + r * N + b * TN;
-        if constexpr (std::is_same_v<OT, float>) {
-          _mm512_mask_storeu_ps(dst, keep, v);
-        } else {
-          _mm256_mask_storeu_epi16(dst, keep, (__m256i)_mm512_cvtneps_pbh(v));
-        }
+      const __m512 v = _mm512_add_ps(acc[u], bv);
+      if constexpr (std::is_same_v<OT, float>) {
+        _mm512_mask_storeu_ps(y + b * TN, keep, v);
+      } else {
+        _mm256_mask_storeu_epi16(y + b * TN, keep, (__m256i)_mm512_cvtneps_pbh(v));
       }
     }
   }
@@ -295,13 +284,13 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
   const auto* wp = reinterpret_cast<const uint16_t*>(wpacked.data_ptr());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   void* yp = y.data_ptr();
-  if (M > 0 && M <= kVecRows) {
+  if (M == 1) {
     at::Tensor xb = x2.to(at::kBFloat16).contiguous();
     if (Kp != K) xb = at::constant_pad_nd(xb, {0, Kp - K});
     const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
-    at::parallel_for(0, nb, kVecBlocks, [&](int64_t b0, int64_t b1) {
-      if (f32) rows_vec<1>(xp, Kp, wp, kc, b0, b1, bp, N, static_cast<float*>(yp));
-      else rows_vec<1>(xp, Kp, wp, kc, b0, b1, bp, N, static_cast<uint16_t*>(yp));
+    at::parallel_for(0, nb, kRowBlocks, [&](int64_t b0, int64_t b1) {
+      if (f32) one_row(xp, wp, kc, b0, b1, bp, N, static_cast<float*>(yp));
+      else one_row(xp, wp, kc, b0, b1, bp, N, static_cast<uint16_t*>(yp));
     });
     auto sizes = x.sizes().vec();
     sizes.back() = N;
