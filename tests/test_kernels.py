@@ -263,6 +263,8 @@ def test_linear_q4_amx_matches_bf16_weight(m, n, k, group, zeros, levels):
 
 I8G_ROWS_MAX = 16  # csrc/ops.h kI8gRowsMax
 
+INT8_DP = kernels.available() and kernels.ops().paged_attention_int8_native()
+
 needs_int8_rows = pytest.mark.skipif(
     not (kernels.available() and kernels.ops().int8_rows_native()), reason="no AVX512-VNNI"
 )
@@ -894,7 +896,9 @@ def test_paged_attention_int8_cache_matches_reference(case, q_dtype):
         scales,
     )
     assert out.dtype == q_dtype and out.shape == q.shape
-    tol = 2e-5 if q_dtype == torch.float32 else 1e-2
+    # the int8 path sums in int32: queries and softmax weights as int16 steps (15 bits; bf16
+    # has 8), else in fp32
+    tol = 1e-2 if q_dtype == torch.bfloat16 else 1e-3 if INT8_DP and d % 2 == 0 else 2e-5
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 

@@ -113,6 +113,7 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
             module.use_kernel = True
         if isinstance(module, Attention):
             module.kernel_long_queries = long_queries
+            module.kernel_long_queries_int8 = bool(kernels.ops().paged_attention_int8_native())
             module.kernel_prompts_amx = dtype == torch.bfloat16 and bool(
                 kernels.ops().prefill_attention_amx_native(module.head_dim)
             )

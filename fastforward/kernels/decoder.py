@@ -36,8 +36,8 @@ class FusedDecoder:
 
     stack: Any  # torch.classes.fastforward.DecoderStack
     attentions: list[Attention]
-    # each layer's (kv_cache, kv_scales, group) the stack was built with
-    bound: list[tuple[torch.Tensor, torch.Tensor | None, int]]
+    # each layer's (kv_cache, kv_scales, group, key_mult) the stack was built with
+    bound: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]]
     rows_max: int  # largest batch every linear's packed kernel takes
     max_positions: int  # context the RoPE tables cover
     long_queries: bool  # every layer's attention kernel takes prefills too (bf16 path)
@@ -49,12 +49,12 @@ class FusedDecoder:
             or meta.max_seq_len > self.max_positions
         ):
             return False
-        for a, (cache, scales, group) in zip(self.attentions, self.bound, strict=True):
+        for a, (cache, scales, group, key_mult) in zip(self.attentions, self.bound, strict=True):
             # rebound (one-off scoring passes swap in a cache of their own) or set after the
             # build (KV-cache calibration's key scales): the module path serves those
             if a.kv_cache is not cache or a.kv_scales is not scales or a.group != group:
                 return False
-            if a.calibrating or a.key_mult is not None:
+            if a.calibrating or a.key_mult is not key_mult:
                 return False
         return True
 
@@ -143,9 +143,11 @@ def build_fused_decoder(model: nn.Module) -> tuple[FusedDecoder | None, str]:
             attn.kv_scales,
             None if q_norm is None else q_norm.weight,
             None if k_norm is None else k_norm.weight,
+            attn.query_mult,
+            attn.key_mult,
         )
     attentions = [layer.self_attn.attn for layer in layers]
-    bound = [(a.kv_cache, a.kv_scales, a.group) for a in attentions]
+    bound = [(a.kv_cache, a.kv_scales, a.group, a.key_mult) for a in attentions]
     # the activations are bf16 where the norms' weights are (the model's dtype)
     bf16 = layers[0].input_layernorm.weight.dtype == torch.bfloat16
     long_queries = bf16 and all(a.takes_long_queries(torch.bfloat16) for a in attentions)

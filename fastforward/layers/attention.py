@@ -56,6 +56,8 @@ class Attention(nn.Module):
         self.use_kernel = False
         # the kernel's bf16 path (AVX512-BF16) also takes long query runs (prefill)
         self.kernel_long_queries = False
+        # so does its int8-cache path (AVX512-VNNI), for queries of any dtype
+        self.kernel_long_queries_int8 = False
         # bf16 prompt chunks take prefill_attention_amx (AMX CPUs)
         self.kernel_prompts_amx = False
 
@@ -73,6 +75,8 @@ class Attention(nn.Module):
     def takes_long_queries(self, q_dtype: torch.dtype) -> bool:
         """Whether the kernel serves query runs of any length for queries of ``q_dtype``."""
         cache = self.kv_cache
+        if cache is not None and cache.dtype == torch.int8:
+            return self.kernel_long_queries_int8
         return (
             self.kernel_long_queries
             and q_dtype == torch.bfloat16

@@ -330,36 +330,177 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kHaveDp = true;
 
-// attend_item for bf16 queries over a bf16 cache with vdpbf16ps (two bf16 products per fp32
-// lane), nothing converted. Scores: the sub-block's keys are transposed once (16 x 16 tiles of
-// bf16 pairs) so that vector p holds dimension pair p of all VL keys; a row's VL scores are then
-// D/2 dot-product instructions against its broadcast query pairs, already one score per lane
-// (no reduction across lanes) -- the GEMM layout, where scoring each key as a dot product would
-// need a transposing reduction per row. Values are interleaved in key pairs once per sub-block
-// (vpunpck{l,h}wd) so each row adds 2 keys x 16 dims per instruction, its softmax weights
-// rounded to bf16 (the sum l uses the same rounded weights). Same items, masking and online
-// softmax as attend_item; the accumulator is kept in the interleave's lane order and put back
-// in dimension order at the end.
-void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const uint16_t* cache,
-                    const int64_t* table, const int64_t* qpos0, float* part) {
+// The cache element's side of attend_item_dp: how a row's 32-dimension chunk is loaded as 16
+// pairs, and the pairwise dot-product instruction.
+template <typename CT>
+struct DpCache;
+
+template <>
+struct DpCache<uint16_t> {  // bf16: vdpbf16ps, fp32 sums
+  using Acc = __m512;
+  static __m512i load(const uint16_t* src, __mmask32 m) { return _mm512_maskz_loadu_epi16(m, src); }
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  static Acc dot(Acc a, __m512i x, __m512i y) {
+    return _mm512_dpbf16_ps(a, (__m512bh)x, (__m512bh)y);
+  }
+};
+
+#if defined(__AVX512VNNI__)
+constexpr bool kHaveDpI8 = true;
+template <>
+struct DpCache<int8_t> {  // int8 widened to int16 (vpmovsxbw): vpdpwssd, int32 sums
+  using Acc = __m512i;
+  static __m512i load(const int8_t* src, __mmask32 m) {
+    return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, src));
+  }
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static Acc add(Acc a, Acc b) { return _mm512_add_epi32(a, b); }
+  static Acc dot(Acc a, __m512i x, __m512i y) { return _mm512_dpwssd_epi32(a, x, y); }
+};
+#else
+constexpr bool kHaveDpI8 = false;
+#endif
+
+constexpr float I16_MAX = 32767.f;
+
+// A row of floats as int16 steps of one scale (returned): |x| <= 32767 steps, so a dot product
+// with int8 codes over D <= 512 dimensions stays inside int32.
+inline float to_int16(int16_t* dst, const float* x, int64_t n) {
+  float mx = 0.f;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, std::abs(x[i]));
+  const float step = mx > 0.f ? mx / I16_MAX : 1.f, inv = 1.f / step;
+  for (int64_t i = 0; i < n; ++i) dst[i] = int16_t(std::nearbyint(x[i] * inv));
+  return step;
+}
+
+// The dot products of NR query rows (pairs qp[0..NR)) with the VL keys of kt (pair p of all
+// keys in kt[p]): four chains per row over the pairs, summed at the end; the same order for
+// every row whatever NR. NR is a constant so the 4 * NR accumulators stay in registers (with
+// a run-time row count GCC kept them on the stack, a store and a reload per instruction).
+template <int NR, typename Tr>
+inline void score_rows(typename Tr::Acc* out, const uint32_t (*qp)[D_MAX / 2], const __m512i* kt,
+                       int P, PrefetchQueue& pf) {
+  typename Tr::Acc a[NR][4];
+  for (int u = 0; u < NR; ++u)
+    for (int e = 0; e < 4; ++e) a[u][e] = Tr::zero();
+  int pi = 0;
+  for (; pi + 4 <= P; pi += 4) {
+    pf.issue(2);
+#pragma GCC unroll 4
+    for (int e = 0; e < 4; ++e) {
+      const __m512i k = kt[pi + e];
+#pragma GCC unroll 4
+      for (int u = 0; u < NR; ++u)
+        a[u][e] = Tr::dot(a[u][e], _mm512_set1_epi32(int(qp[u][pi + e])), k);
+    }
+  }
+  for (; pi < P; ++pi)
+    for (int u = 0; u < NR; ++u)
+      a[u][0] = Tr::dot(a[u][0], _mm512_set1_epi32(int(qp[u][pi])), kt[pi]);
+  for (int u = 0; u < NR; ++u) out[u] = Tr::add(Tr::add(a[u][0], a[u][1]), Tr::add(a[u][2], a[u][3]));
+}
+
+// NR rows' accumulators (32 dimensions from chunk c on) plus their weights pp (pairs of keys)
+// times the interleaved values vt: with bf16 the fp32 sums continue from acc; with int8 the
+// sub-block's int32 sum is scaled by the row's weight step and added.
+template <int NR, typename Tr>
+inline void value_rows(float (*acc)[D_MAX], const uint32_t (*pp)[VL / 2], const float* wstep,
+                       const __m512i (*vt)[D_MAX / 32][2], int npairs, int c, PrefetchQueue& pf) {
+  constexpr bool kInt = std::is_same_v<typename Tr::Acc, __m512i>;
+  typename Tr::Acc a[NR][2];
+  for (int u = 0; u < NR; ++u)
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (kInt) {
+        a[u][h] = Tr::zero();
+      } else {
+        a[u][h] = _mm512_load_ps(acc[u] + 32 * c + 16 * h);
+      }
+    }
+  for (int jp = 0; jp < npairs; ++jp) {
+    pf.issue(1);
+    const __m512i v0 = vt[jp][c][0], v1 = vt[jp][c][1];
+#pragma GCC unroll 4
+    for (int u = 0; u < NR; ++u) {
+      const __m512i w = _mm512_set1_epi32(int(pp[u][jp]));
+      a[u][0] = Tr::dot(a[u][0], w, v0);
+      a[u][1] = Tr::dot(a[u][1], w, v1);
+    }
+  }
+  for (int u = 0; u < NR; ++u)
+    for (int h = 0; h < 2; ++h) {
+      float* dst = acc[u] + 32 * c + 16 * h;
+      if constexpr (kInt) {
+        const __m512 sum = _mm512_cvtepi32_ps(a[u][h]);
+        _mm512_store_ps(dst, _mm512_fmadd_ps(sum, _mm512_set1_ps(wstep[u]), _mm512_load_ps(dst)));
+      } else {
+        _mm512_store_ps(dst, a[u][h]);
+      }
+    }
+}
+
+// f.template operator()<NR>() for a run-time row count nr in 1..4.
+template <typename F>
+inline void with_rows(int nr, F&& f) {
+  switch (nr) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// attend_item for a bf16 or int8 cache with a pairwise dot-product instruction, nothing
+// converted to fp32 but the sums:
+// - bf16 (bf16 queries): vdpbf16ps, two bf16 products per fp32 lane;
+// - int8 (bf16 or fp32 queries): each query row becomes int16 steps of one scale (15 bits,
+//   finer than bf16's 8), the int8 codes are widened to int16 and vpdpwssd sums pairs into
+//   int32; the row's step, each key's scale and the softmax scale multiply the integer score.
+//   Values: each row's VL weights (softmax weight x the value row's scale) become int16 steps
+//   of one scale per row and sub-block, summed in int32 and added to the fp32 accumulator.
+// Scores: the sub-block's keys are transposed once (16 x 16 tiles of pairs) so that vector p
+// holds dimension pair p of all VL keys; a row's VL scores are then D/2 dot-product
+// instructions against its broadcast query pairs, already one score per lane (no reduction
+// across lanes) -- the GEMM layout, where scoring each key as a dot product would need a
+// transposing reduction per row. Values are interleaved in key pairs once per sub-block
+// (vpunpck{l,h}wd) so each row adds 2 keys x 16 dims per instruction (bf16: its softmax
+// weights rounded to bf16, and the sum l uses the same rounded weights). Same items, masking
+// and online softmax as attend_item; the accumulator is kept in the interleave's lane order and
+// put back in dimension order at the end.
+template <typename QT, typename CT>
+void attend_item_dp(const Item& it, const Geometry& g, const QT* q, const CT* cache,
+                    const at::Half* scales, const int64_t* table, const int64_t* qpos0,
+                    float* part) {
+  constexpr bool kI8 = std::is_same_v<CT, int8_t>;
+  static_assert(kI8 || std::is_same_v<QT, uint16_t>, "a bf16 cache takes bf16 queries");
+  using Tr = DpCache<CT>;
+  using Acc = typename Tr::Acc;
   const int64_t D = g.D, per_head = it.nt * g.G, rows = it.nh * per_head;
   const int C = int((D + 31) / 32);  // 32-dimension chunks of a row
   const __mmask32 full = 0xffffffffu;
   const __mmask32 tail = D % 32 ? __mmask32((1u << (D % 32)) - 1) : full;
   const int P = int(D / 2);  // dimension pairs of a row
-  alignas(64) uint32_t qp[ROWS_MAX][D_MAX / 2];  // each row's query as bf16 pairs
+  alignas(64) uint32_t qp[ROWS_MAX][D_MAX / 2];  // each row's query as pairs
+  alignas(64) float qstep[ROWS_MAX];  // int8: each row's int16 step
   __m512i kt[D_MAX / 2];  // pair p of the sub-block's keys (key j in lane j)
   __m512i vt[VL / 2][D_MAX / 32][2];  // key pair x chunk x (dims 0-3 / 4-7 of each 8)
   alignas(64) float acc[ROWS_MAX][D_MAX];
   alignas(64) float p[ROWS_MAX][VL];
+  alignas(64) float kscale[VL], vscale[VL], wstep[ROWS_MAX];
   bool seen[ROWS_MAX];
-  auto load_row = [&](const uint16_t* src, int c) {
-    return _mm512_maskz_loadu_epi16(c == C - 1 ? tail : full, src + 32 * c);
+  auto load_row = [&](const CT* src, int c) {
+    return Tr::load(src + 32 * c, c == C - 1 ? tail : full);
   };
   RowState st(it, g, qpos0, rows);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = row_token(it, g, r), head = row_head(it, g, r);
-    std::memcpy(qp[r], q + (t * g.H + head) * D, D * sizeof(uint16_t));
+    const QT* qr = q + (row_token(it, g, r) * g.H + row_head(it, g, r)) * D;
+    if constexpr (kI8) {
+      alignas(64) float qf[D_MAX];
+      to_float(qf, qr, D);
+      qstep[r] = to_int16(reinterpret_cast<int16_t*>(qp[r]), qf, D);
+    } else {
+      std::memcpy(qp[r], qr, D * sizeof(uint16_t));
+    }
     std::fill(acc[r], acc[r] + 32 * C, 0.f);
   }
   const int64_t kv_stride = g.KVH * D;
@@ -367,17 +508,23 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
   const int64_t* tab = table + it.seq * g.W;
   const __m512i zero = _mm512_setzero_si512();
   PrefetchQueue pf;
-  // round to bf16 now: the values are weighted by these, and l must sum the same numbers
-  auto to_bf16 = [](vf v) {
-    const __m256i pb = (__m256i)_mm512_cvtneps_pbh(reinterpret_cast<__m512&>(v));
-    const __m512i pw = _mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16);
-    return reinterpret_cast<const vf&>(pw);
+  // bf16: round to bf16 now: the values are weighted by these, and l must sum the same numbers
+  auto round_weights = [](vf v) {
+    if constexpr (kI8) {
+      return v;
+    } else {
+      const __m256i pb = (__m256i)_mm512_cvtneps_pbh(reinterpret_cast<__m512&>(v));
+      const __m512i pw = _mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16);
+      return reinterpret_cast<const vf&>(pw);
+    }
   };
   for (int64_t s0 = st.k_lo; s0 < st.k_hi;) {
     const int64_t b0 = s0 - s0 % g.BS, s1 = sub_block_end(s0, g.BS, st.k_hi);
     const int n = int(s1 - s0);
     const int64_t row0 = tab[b0 / g.BS] * g.BS + (s0 - b0);
-    const uint16_t* kb0 = cache + row0 * kv_stride + it.kvh * D;
+    const CT* kb0 = cache + row0 * kv_stride + it.kvh * D;
+    // int8: scales [2, NB, BS, KVH], one per key row and KV head
+    const at::Half* ks0 = kI8 ? scales + row0 * g.KVH + it.kvh : nullptr;
     pf.queue(cache, tab, g, it.kvh, s1, st.k_hi, kv_stride, half, it.nh);
     bool any = false;
     for (int64_t r = 0; r < rows; ++r) {
@@ -389,7 +536,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
       continue;
     }
     for (int64_t hh = 0; hh < it.nh; ++hh) {  // each KV head: its rows [r_lo, r_hi)
-      const uint16_t* kb = kb0 + hh * D;
+      const CT* kb = kb0 + hh * D;
       const int64_t r_lo = hh * per_head, r_hi = r_lo + per_head;
       for (int c = 0; c < C; ++c) {  // 16 pairs (32 dimensions) of the VL keys at a time
         __m512i tile[VL];
@@ -397,36 +544,39 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
         transpose16(tile);
         for (int i = 0; i < 16 && 16 * c + i < P; ++i) kt[16 * c + i] = tile[i];
       }
-      // Scores: rows in groups of up to 4, two chains each over the dimension pairs (8
-      // independent chains, each key pair read once for the group). Sums in the same order as
-      // one row alone: chain 0 takes the even pairs, chain 1 the odd ones.
+      if constexpr (kI8) {
+        row_scales(kscale, ks0 + hh, g.KVH, n);
+        row_scales(vscale, ks0 + hh + g.NB * g.BS * g.KVH, g.KVH, n);
+        std::fill(kscale + n, kscale + VL, 0.f);
+        std::fill(vscale + n, vscale + VL, 0.f);
+      }
+      // Scores: rows in groups of up to 4 (score_rows: 16 independent chains for 4 rows, each
+      // key pair read once for the group).
       for (int64_t r0 = r_lo; r0 < r_hi; r0 += 4) {
         const int nr = int(std::min<int64_t>(4, r_hi - r0));
-        __m512 a[4][2];
-        for (int u = 0; u < 4; ++u) a[u][0] = a[u][1] = _mm512_setzero_ps();
-        for (int pi = 0; pi < P; ++pi) {
-          pf.issue(1);
-          const __m512bh k = (__m512bh)kt[pi];
-#pragma GCC unroll 4
-          for (int u = 0; u < 4; ++u) {
-            if (u >= nr) break;
-            a[u][pi & 1] = _mm512_dpbf16_ps(
-                a[u][pi & 1], (__m512bh)_mm512_set1_epi32(int(qp[r0 + u][pi])), k);
-          }
-        }
+        Acc sums[4];
+        with_rows(nr, [&](auto rows_c) {
+          score_rows<decltype(rows_c)::value, Tr>(sums, qp + r0, kt, P, pf);
+        });
         for (int u = 0; u < nr; ++u) {
           const int64_t r = r0 + u;
           if (!seen[r]) continue;
           const int64_t rlo = std::max(st.lo[r], s0), rhi = std::min(st.hi[r], s1);
-          const __m512 sum = _mm512_add_ps(a[u][0], a[u][1]);
-          vf sc = reinterpret_cast<const vf&>(sum) * g.scale;
+          vf sc;
+          if constexpr (kI8) {
+            const __m512 sum = _mm512_cvtepi32_ps(sums[u]);
+            sc = reinterpret_cast<const vf&>(sum) * load(kscale) * (qstep[r] * g.scale);
+          } else {
+            const __m512 sum = sums[u];
+            sc = reinterpret_cast<const vf&>(sum) * g.scale;
+          }
           if (g.softcap > 0.f) {
             for (int j = 0; j < VL; ++j) sc[j] = g.softcap * std::tanh(sc[j] / g.softcap);
           }
-          store(p[r], st.update(r, sc, s0, rlo, rhi, acc[r], 32 * C, to_bf16));
+          store(p[r], st.update(r, sc, s0, rlo, rhi, acc[r], 32 * C, round_weights));
         }
       }
-      const uint16_t* vb = kb + half;
+      const CT* vb = kb + half;
       for (int jp = 0; jp < (n + 1) / 2; ++jp) {
         const int j = 2 * jp;
         for (int c = 0; c < C; ++c) {
@@ -440,34 +590,29 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
       // Values: rows in groups of up to 4 per 32-dimension chunk, so 8 accumulators (not 2)
       // are independent dot-product chains over the key pairs; rows that see no key of this
       // sub-block have weights 0 (adding exact zeros leaves them unchanged).
-      alignas(64) uint32_t pp[ROWS_MAX][VL / 2];  // (p[j], p[j + 1]) as one bf16 pair per row
+      alignas(64) uint32_t pp[ROWS_MAX][VL / 2];  // (w[j], w[j + 1]) as one pair per row
       for (int64_t r = r_lo; r < r_hi; ++r) {
         const __m512 pr = seen[r] ? _mm512_load_ps(p[r]) : _mm512_setzero_ps();
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(pr));
+        __m256i packed;
+        if constexpr (kI8) {
+          const __m512 w = _mm512_mul_ps(pr, _mm512_load_ps(vscale));  // >= 0
+          const float mx = _mm512_reduce_max_ps(w);
+          wstep[r] = mx / I16_MAX;
+          const __m512 wi = _mm512_mul_ps(w, _mm512_set1_ps(mx > 0.f ? I16_MAX / mx : 0.f));
+          packed = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(wi));
+        } else {
+          packed = (__m256i)_mm512_cvtneps_pbh(pr);
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), packed);
       }
       const int npairs = (n + 1) / 2;
       for (int64_t r0 = r_lo; r0 < r_hi; r0 += 4) {
         const int nr = int(std::min<int64_t>(4, r_hi - r0));
-        for (int c = 0; c < C; ++c) {
-          __m512 a[4][2];
-          for (int u = 0; u < 4; ++u)
-            for (int h = 0; h < 2; ++h)
-              a[u][h] = u < nr ? _mm512_load_ps(acc[r0 + u] + 32 * c + 16 * h)
-                               : _mm512_setzero_ps();
-          for (int jp = 0; jp < npairs; ++jp) {
-            pf.issue(1);
-            const __m512bh v0 = (__m512bh)vt[jp][c][0], v1 = (__m512bh)vt[jp][c][1];
-#pragma GCC unroll 4
-            for (int u = 0; u < 4; ++u) {
-              if (u >= nr) break;
-              const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pp[r0 + u][jp]));
-              a[u][0] = _mm512_dpbf16_ps(a[u][0], w, v0);
-              a[u][1] = _mm512_dpbf16_ps(a[u][1], w, v1);
-            }
-          }
-          for (int u = 0; u < nr; ++u)
-            for (int h = 0; h < 2; ++h) _mm512_store_ps(acc[r0 + u] + 32 * c + 16 * h, a[u][h]);
-        }
+        with_rows(nr, [&](auto rows_c) {
+          for (int c = 0; c < C; ++c)
+            value_rows<decltype(rows_c)::value, Tr>(acc + r0, pp + r0, wstep + r0, vt, npairs, c,
+                                                    pf);
+        });
       }
     }
     s0 = s1;
@@ -487,7 +632,9 @@ void attend_item_dp(const Item& it, const Geometry& g, const uint16_t* q, const 
 }
 #else
 constexpr bool kHaveDp = false;
-void attend_item_dp(const Item&, const Geometry&, const uint16_t*, const uint16_t*,
+constexpr bool kHaveDpI8 = false;
+template <typename QT, typename CT>
+void attend_item_dp(const Item&, const Geometry&, const QT*, const CT*, const at::Half*,
                     const int64_t*, const int64_t*, float*) {
   TORCH_CHECK(false, "attend_item_dp needs AVX512-BF16");
 }
@@ -502,8 +649,10 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   std::vector<int64_t> qpos0(B);
   constexpr bool bf16_pair = std::is_same_v<QT, uint16_t> && std::is_same_v<CT, uint16_t>;
-  const bool dp = bf16_pair && kHaveDp && g.D % 2 == 0;
-  // Decode on the bf16 path: one item takes all the sequence's KV heads, so each cache block is
+  constexpr bool int8_cache = std::is_same_v<CT, int8_t>;
+  constexpr bool dp_types = bf16_pair || int8_cache;
+  const bool dp = ((bf16_pair && kHaveDp) || (int8_cache && kHaveDpI8)) && g.D % 2 == 0;
+  // Decode on the dot-product path: one item takes all the sequence's KV heads, so each cache block is
   // read as one span of its rows (the heads side by side) instead of KVH strided passes, and a
   // split key range splits that span. SmolLM2's 3 KV heads, 30 layers from memory, 2 threads on
   // the AMX Xeon (a throwaway timing script, alternating runs): 64 sequences of 174 keys
@@ -555,10 +704,9 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       float* pi = partial.get() + i * stride;
-      if constexpr (bf16_pair) {
+      if constexpr (dp_types) {
         if (dp) {
-          attend_item_dp(items[i], g, reinterpret_cast<const uint16_t*>(qp),
-                         reinterpret_cast<const uint16_t*>(cp), tp, qpos0.data(), pi);
+          attend_item_dp<QT, CT>(items[i], g, qp, cp, scales, tp, qpos0.data(), pi);
           continue;
         }
       }
@@ -614,6 +762,9 @@ void dispatch_kv(at::ScalarType xt, at::ScalarType ct, const char* op, F&& f) {
 // Whether bf16 queries over a bf16 cache take the vdpbf16ps path (fast for long query runs
 // too: prefill), i.e. the CPU has AVX512-BF16.
 bool paged_attention_bf16_native() { return kHaveDp; }
+
+// Whether an int8 cache takes the vpdpwssd path (AVX512-VNNI as well), for any query length.
+bool paged_attention_int8_native() { return kHaveDpI8; }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,

@@ -4,7 +4,7 @@
 // Python modules (fastforward/models/llama.py), without the ~25 Python-dispatched ops per layer
 // between them. Built once from the loaded model (fastforward/kernels/decoder.py); the Python
 // path stays the reference and the fallback for what this does not cover (prefills longer than
-// the attention kernel takes, q/k norms, calibrated key scales, other weight formats).
+// the attention kernel takes, q/k norms, other weight formats).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
@@ -87,6 +87,9 @@ struct Layer {
   int64_t window = 0;  // 0: full attention
   at::Tensor kv_cache;
   std::optional<at::Tensor> kv_scales;
+  // per-channel key scale (kv/calibrate.py): keys stored as k * key_mult [KVH, D], queries read
+  // them as q * query_mult [H, D], both in fp32 (undefined: none)
+  at::Tensor query_mult, key_mult;
   int64_t group = 0;  // KV cache group: which block tables and slot mapping
   bool gelu = false;
 };
@@ -121,10 +124,13 @@ class DecoderStack : public torch::CustomClassHolder {
   void add_layer(at::Tensor ln1, at::Tensor ln2, std::vector<int64_t> linears,
                  std::vector<int64_t> dims, std::vector<double> scalars, at::Tensor rope_table,
                  at::Tensor kv_cache, std::optional<at::Tensor> kv_scales,
-                 std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm) {
+                 std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+                 std::optional<at::Tensor> query_mult, std::optional<at::Tensor> key_mult) {
     TORCH_CHECK(linears.size() == 4 && dims.size() == 6 && scalars.size() == 5,
                 "add_layer: 4 linears, 6 dims and 5 scalars expected");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
+    TORCH_CHECK(query_mult.has_value() == key_mult.has_value(),
+                "query and key channel scales come together");
     for (auto i : linears)
       TORCH_CHECK(i >= 0 && i < int64_t(linears_.size()), "no linear ", i);
     Layer L;
@@ -152,6 +158,10 @@ class DecoderStack : public torch::CustomClassHolder {
     L.rope_table = std::move(rope_table);
     L.kv_cache = std::move(kv_cache);
     L.kv_scales = std::move(kv_scales);
+    if (key_mult) {
+      L.query_mult = query_mult->to(at::kFloat).contiguous();
+      L.key_mult = key_mult->to(at::kFloat).contiguous();
+    }
     layers_.push_back(std::move(L));
   }
 
@@ -213,6 +223,11 @@ class DecoderStack : public torch::CustomClassHolder {
     }
     rope_(q, positions, L.rope_table);
     rope_(k, positions, L.rope_table);
+    if (L.key_mult.defined()) {  // as the module path: q * m and k / m in fp32
+      q = q.to(at::kFloat) * L.query_mult;
+      k = k.to(at::kFloat) * L.key_mult;
+      v = v.to(at::kFloat);
+    }
     at::Tensor cache = L.kv_cache;
     write_kv(cache, k, v, slot_mapping, L.kv_scales);
     auto out = paged_attention(q.contiguous(), L.kv_cache, block_table, query_start_loc,

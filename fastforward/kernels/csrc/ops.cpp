@@ -17,6 +17,7 @@ TORCH_LIBRARY(fastforward, m) {
         &ff::linear_amx);
   m.def("linear_q4_native() -> bool", &ff::linear_q4_native);
   m.def("paged_attention_bf16_native() -> bool", &ff::paged_attention_bf16_native);
+  m.def("paged_attention_int8_native() -> bool", &ff::paged_attention_int8_native);
   m.def("linear_q4(Tensor x, Tensor wq, Tensor sz, Tensor table, int group_size) -> Tensor",
         &ff::linear_q4);
   m.def("linear_q4_amx(Tensor x, Tensor wq, Tensor sz, Tensor table, int group_size) -> Tensor",

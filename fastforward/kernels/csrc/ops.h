@@ -33,6 +33,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
                       const std::optional<at::Tensor>& bias, bool fp32_out);
 bool linear_q4_native();
 bool paged_attention_bf16_native();
+bool paged_attention_int8_native();
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                      const at::Tensor& table, int64_t group_size);
 void check_linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
