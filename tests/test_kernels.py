@@ -896,8 +896,8 @@ def test_paged_attention_int8_cache_matches_reference(case, q_dtype):
         scales,
     )
     assert out.dtype == q_dtype and out.shape == q.shape
-    # the int8 path sums in int32: queries and softmax weights as int16 steps (15 bits; bf16
-    # has 8), else in fp32
+    # the int8 path sums in int32: each query row and each row's softmax weights as int16 steps
+    # of one scale, else in fp32
     tol = 1e-2 if q_dtype == torch.bfloat16 else 1e-3 if INT8_DP and d % 2 == 0 else 2e-5
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 

@@ -108,12 +108,13 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
         and kernels.ops().paged_attention_bf16_native()
         and not sdpa_has_amx()
     )
+    long_queries_int8 = bool(kernels.ops().paged_attention_int8_native())
     for module in model.modules():
         if isinstance(module, Attention | RMSNorm | GatedActivation | RotaryEmbedding):
             module.use_kernel = True
         if isinstance(module, Attention):
             module.kernel_long_queries = long_queries
-            module.kernel_long_queries_int8 = bool(kernels.ops().paged_attention_int8_native())
+            module.kernel_long_queries_int8 = long_queries_int8
             module.kernel_prompts_amx = dtype == torch.bfloat16 and bool(
                 kernels.ops().prefill_attention_amx_native(module.head_dim)
             )

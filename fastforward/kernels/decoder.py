@@ -40,7 +40,7 @@ class FusedDecoder:
     bound: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]]
     rows_max: int  # largest batch every linear's packed kernel takes
     max_positions: int  # context the RoPE tables cover
-    long_queries: bool  # every layer's attention kernel takes prefills too (bf16 path)
+    long_queries: bool  # every layer's attention kernel takes prefills too (bf16 / int8 paths)
 
     def usable(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         if (

@@ -4,14 +4,14 @@
 //
 // Work is split into items of (sequence, KV head, chunk of query tokens, part of the key
 // range). An item's rows are its query tokens x the query heads that share the KV head (GQA),
-// so every key and value loaded is used by all of them (a decode item on the bf16 path takes
-// all the sequence's KV heads, rows head-major, and reads each block's rows as one span). Per
-// block of keys the item converts K to fp32 once (16 keys at a time, the next 16 prefetched),
-// scores every row against all of them with one transposing reduction, updates each row's
-// online softmax (running max m, sum l, accumulator acc) on the vector of scores, then
-// accumulates V. When there are too few items to keep every thread busy (decode of a few long
-// sequences), the key range is split into parts whose partial (m, l, acc) are merged at the
-// end (flash-decoding).
+// so every key and value loaded is used by all of them (a decode item on the dot-product paths,
+// bf16 and int8 caches, takes all the sequence's KV heads, rows head-major, and reads each
+// block's rows as one span). Per block of keys the generic item converts K to fp32 once (16
+// keys at a time, the next 16 prefetched), scores every row against all of them with one
+// transposing reduction, updates each row's online softmax (running max m, sum l, accumulator
+// acc) on the vector of scores, then accumulates V. When there are too few items to keep every
+// thread busy (decode of a few long sequences), the key range is split into parts whose partial
+// (m, l, acc) are merged at the end (flash-decoding).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -365,7 +365,14 @@ constexpr bool kHaveDpI8 = false;
 constexpr float I16_MAX = 32767.f;
 
 // A row of floats as int16 steps of one scale (returned): |x| <= 32767 steps, so a dot product
-// with int8 codes over D <= 512 dimensions stays inside int32.
+// with int8 codes over D <= 512 dimensions stays inside int32. One step for the whole row: where
+// q * m (the calibrated key scales) has outlier channels, the small ones keep fewer bits than
+// bf16 would give them; on SmolLM2 (fp32 weights, int8 KV) each layer's attention output stays
+// within ~1e-4-5e-4 of the fp32 reference's, relative to its largest value, under the int8
+// cache's own 1/254 rounding. (int16_rows.h's quantize_groups is the vectorized twin for bf16
+// rows, with 32767 / max as the inverse step; its last-bit differences in the codes flipped a
+// greedy near-tie in test_kv_quant's prefix-cache test, whose two paths already differ by their
+// fp32 linears at 3 and 66 rows, so it is not reused here.)
 inline float to_int16(int16_t* dst, const float* x, int64_t n) {
   float mx = 0.f;
   for (int64_t i = 0; i < n; ++i) mx = std::max(mx, std::abs(x[i]));
@@ -398,7 +405,8 @@ inline void score_rows(typename Tr::Acc* out, const uint32_t (*qp)[D_MAX / 2], c
   for (; pi < P; ++pi)
     for (int u = 0; u < NR; ++u)
       a[u][0] = Tr::dot(a[u][0], _mm512_set1_epi32(int(qp[u][pi])), kt[pi]);
-  for (int u = 0; u < NR; ++u) out[u] = Tr::add(Tr::add(a[u][0], a[u][1]), Tr::add(a[u][2], a[u][3]));
+  for (int u = 0; u < NR; ++u)
+    out[u] = Tr::add(Tr::add(a[u][0], a[u][1]), Tr::add(a[u][2], a[u][3]));
 }
 
 // NR rows' accumulators (32 dimensions from chunk c on) plus their weights pp (pairs of keys)
@@ -439,7 +447,7 @@ inline void value_rows(float (*acc)[D_MAX], const uint32_t (*pp)[VL / 2], const 
     }
 }
 
-// f.template operator()<NR>() for a run-time row count nr in 1..4.
+// f(std::integral_constant<int, NR>{}) for a run-time row count nr in 1..4.
 template <typename F>
 inline void with_rows(int nr, F&& f) {
   switch (nr) {
@@ -453,8 +461,8 @@ inline void with_rows(int nr, F&& f) {
 // attend_item for a bf16 or int8 cache with a pairwise dot-product instruction, nothing
 // converted to fp32 but the sums:
 // - bf16 (bf16 queries): vdpbf16ps, two bf16 products per fp32 lane;
-// - int8 (bf16 or fp32 queries): each query row becomes int16 steps of one scale (15 bits,
-//   finer than bf16's 8), the int8 codes are widened to int16 and vpdpwssd sums pairs into
+// - int8 (bf16 or fp32 queries): each query row becomes int16 steps of one scale (to_int16),
+//   the int8 codes are widened to int16 and vpdpwssd sums pairs into
 //   int32; the row's step, each key's scale and the softmax scale multiply the integer score.
 //   Values: each row's VL weights (softmax weight x the value row's scale) become int16 steps
 //   of one scale per row and sub-block, summed in int32 and added to the fp32 accumulator.
@@ -650,13 +658,15 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
   std::vector<int64_t> qpos0(B);
   constexpr bool bf16_pair = std::is_same_v<QT, uint16_t> && std::is_same_v<CT, uint16_t>;
   constexpr bool int8_cache = std::is_same_v<CT, int8_t>;
-  constexpr bool dp_types = bf16_pair || int8_cache;
-  const bool dp = ((bf16_pair && kHaveDp) || (int8_cache && kHaveDpI8)) && g.D % 2 == 0;
-  // Decode on the dot-product path: one item takes all the sequence's KV heads, so each cache block is
-  // read as one span of its rows (the heads side by side) instead of KVH strided passes, and a
-  // split key range splits that span. SmolLM2's 3 KV heads, 30 layers from memory, 2 threads on
-  // the AMX Xeon (a throwaway timing script, alternating runs): 64 sequences of 174 keys
-  // 0.64-0.68 -> 0.55-0.60 ms a layer; one of 4,000 keys 288-315 -> 198-206 us.
+  // the types attend_item_dp is built for here (an int8 cache: only with AVX512-VNNI)
+  constexpr bool dp_types = bf16_pair || (int8_cache && kHaveDpI8);
+  const bool dp = dp_types && kHaveDp && g.D % 2 == 0;
+  // Decode on the dot-product paths: one item takes all the sequence's KV heads, so each cache
+  // block is read as one span of its rows (the heads side by side) instead of KVH strided
+  // passes, and a split key range splits that span. SmolLM2's 3 KV heads, 30 layers from
+  // memory, 2 threads on the AMX Xeon (a throwaway timing script, alternating runs): 64
+  // sequences of 174 keys 0.64-0.68 -> 0.55-0.60 ms a layer; one of 4,000 keys 288-315 ->
+  // 198-206 us.
   const bool spans = dp && g.KVH > 1 && g.KVH * g.D * 2 <= D_MAX * 4;  // prefetch queue's room
   auto all_heads = [&](int64_t nt) { return spans && nt * g.G * g.KVH <= ROWS_MAX; };
   int64_t max_len = 0, base = 0;  // base: items before the key range is split
