@@ -294,6 +294,7 @@ METHODS = ["int8", "int4", "int4-g64", "int4-gptq", "codebook4", "codebook8"]
 
 ROUND_TRIPS = [("llama3-rope-tied", m) for m in METHODS]  # tied: the embedding is the head
 ROUND_TRIPS += [("llama", "int4-g64"), ("qwen2", "int8"), ("qwen2", "codebook4")]  # + biases
+ROUND_TRIPS += [("qwen2", "int4-awq")]  # AWQ scales folded into the norms
 
 
 @pytest.mark.parametrize(("arch", "method"), ROUND_TRIPS)

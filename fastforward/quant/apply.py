@@ -20,7 +20,7 @@ from fastforward.quant.gptq import gptq_int4
 from fastforward.quant.int4 import Int4Linear
 from fastforward.quant.int8 import Int8Linear
 from fastforward.quant.kmeans import quantize_codebook
-from fastforward.quant.rtn import quantize_int4, quantize_int8
+from fastforward.quant.rtn import group_for, quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +43,14 @@ def quantize_linear(
 ) -> QuantizedLinear | str:
     """A quantized module for a float ``[N, K]`` weight, or the reason it cannot be one.
     With a GPTQ ``spec``, ``hessian`` (of the layer's inputs) picks the int4 codes; without
-    one the weight is rounded to nearest."""
+    one the weight is rounded to nearest (with an AWQ ``spec``, each group's clipping is chosen
+    for the output error under ``hessian``)."""
     n, k = weight.shape
     w = weight.detach().float()
     if spec.method == "int8":
         return Int8Linear(quantize_int8(w), bias, out_sizes)
     if spec.method in ("int4", "codebook"):
-        group = spec.group_size
-        while group > 32 and k % group:
-            group //= 2  # the largest group size that divides the input width
+        group = group_for(k, spec.group_size)
         if spec.method == "codebook":
             if k % group or k % 2:
                 return f"input width {k} is not a multiple of {group}"
@@ -60,7 +59,9 @@ def quantize_linear(
             return f"int4 kernel needs out % 16 == 0 and in % 32 == 0, got [{n}, {k}]"
         if spec.gptq and hessian is not None:
             return Int4Linear(gptq_int4(w, hessian, group), bias, out_sizes)
-        return Int4Linear(quantize_int4(w, group), bias, out_sizes)
+        # AWQ rounds to nearest, clipping each group for its output error (the Hessian's block)
+        h = hessian if spec.awq else None
+        return Int4Linear(quantize_int4(w, group, hessian=h), bias, out_sizes)
     raise ValueError(f"quantization method {spec.method!r} needs the checkpoint (see load_model)")
 
 
@@ -71,8 +72,8 @@ def quantize_model(
     hessians: dict[str, torch.Tensor] | None = None,
 ) -> QuantReport:
     """Swap the linears and embeddings of a float model (ideally float32, as loaded) for packed
-    ones, then cast the remaining float parameters to ``dtype``. ``hessians`` (GPTQ; by module
-    name, from ``gptq.collect_hessians``) are consumed as their modules are quantized."""
+    ones, then cast the remaining float parameters to ``dtype``. ``hessians`` (GPTQ and AWQ; by
+    module name, from ``gptq.collect_hessians``) are consumed as their modules are quantized."""
     hessians = {} if hessians is None else hessians
     report = QuantReport(spec.name)
     targets = [

@@ -23,6 +23,12 @@ class QuantSpec:
     group_size: int = 0  # int4
     num_centroids: int = 0  # codebook (group_size: inputs per scale)
     gptq: bool = False  # int4 codes chosen by GPTQ on calibration text (quant/gptq.py)
+    awq: bool = False  # activation-aware input scales before the codes are chosen (quant/awq.py)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether loading runs the float model over calibration text first."""
+        return self.gptq or self.awq
 
 
 METHODS: dict[str, QuantSpec] = {
@@ -34,6 +40,10 @@ METHODS: dict[str, QuantSpec] = {
     "int4-gptq": QuantSpec("int4-gptq", "int4", group_size=32, gptq=True),
     "int4-g64-gptq": QuantSpec("int4-g64-gptq", "int4", group_size=64, gptq=True),
     "int4-g128-gptq": QuantSpec("int4-g128-gptq", "int4", group_size=128, gptq=True),
+    "int4-awq": QuantSpec("int4-awq", "int4", group_size=32, awq=True),
+    "int4-awq-gptq": QuantSpec("int4-awq-gptq", "int4", group_size=32, gptq=True, awq=True),
+    "int4-g64-awq": QuantSpec("int4-g64-awq", "int4", group_size=64, awq=True),
+    "int4-g64-awq-gptq": QuantSpec("int4-g64-awq-gptq", "int4", group_size=64, gptq=True, awq=True),
     "codebook4": QuantSpec("codebook4", "codebook", group_size=32, num_centroids=16),
     "codebook4-g64": QuantSpec("codebook4-g64", "codebook", group_size=64, num_centroids=16),
     "codebook8": QuantSpec("codebook8", "codebook", group_size=128, num_centroids=256),

@@ -9,6 +9,7 @@ from fastforward.calibration import Encoder, calibration_windows
 from fastforward.loader.gguf_weights import GGUFCheckpoint
 from fastforward.loader.hf_weights import HFCheckpoint
 from fastforward.quant.apply import QuantReport, quantize_model
+from fastforward.quant.awq import awq_scale_model
 from fastforward.quant.checkpoint import load_quantized, stored_quantization
 from fastforward.quant.formats import QuantSpec
 from fastforward.quant.gguf_load import load_gguf_packed
@@ -50,9 +51,11 @@ def load_quantized_model(
     model = model.to(dtype=torch.float32).to_empty(device=device)
     model.load_weights(ckpt.tensors())
     hessians = None
-    if spec.gptq:
+    if spec.calibrated:
         if tokenizer is None:
             raise ValueError(f"{spec.name} needs the tokenizer for its calibration text")
         windows = calibration_windows(tokenizer, GPTQ_TOKENS, GPTQ_WINDOW)
         hessians = collect_hessians(model, windows)
+        if spec.awq:
+            awq_scale_model(model, hessians, spec.group_size)
     return model, quantize_model(model, spec, dtype, hessians)

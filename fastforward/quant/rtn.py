@@ -19,6 +19,13 @@ _INT4_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 _ROWS = 4096  # rows quantized at a time (bounds the float temporaries of a large embedding)
 
 
+def group_for(in_features: int, group_size: int) -> int:
+    """The largest group size (halving down to 32) that divides the input width."""
+    while group_size > 32 and in_features % group_size:
+        group_size //= 2
+    return group_size
+
+
 def round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` rounded to ``dtype``, never below ``x`` (positive inputs)."""
     y = x.to(dtype)
@@ -49,11 +56,20 @@ class Int4Weights:
     group_size: int
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weights:
+def quantize_int4(
+    weight: torch.Tensor,
+    group_size: int,
+    clip: bool = True,
+    hessian: torch.Tensor | None = None,
+) -> Int4Weights:
     """Asymmetric group-wise int4 (the layout of ``_weight_int4pack_mm_for_cpu``), with a
-    per-group search over how much of the range to clip."""
+    per-group search over how much of the range to clip (``clip=False``: the full range, six
+    times faster). The clipping is judged by the squared error of the weights or, given the
+    ``[K, K]`` Hessian of the layer's inputs, by that of the outputs (its diagonal blocks)."""
+    blocks = None if hessian is None else hessian_blocks(hessian, group_size)
     parts = [
-        quantize_int4_rows(weight[i : i + _ROWS], group_size) for i in range(0, len(weight), _ROWS)
+        quantize_int4_rows(weight[i : i + _ROWS], group_size, clip, blocks)
+        for i in range(0, len(weight), _ROWS)
     ]
     return Int4Weights(
         torch.cat([p[0] for p in parts]),
@@ -63,14 +79,30 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weights:
     )
 
 
-def quantize_int4_rows(weight: torch.Tensor, group_size: int):
+def hessian_blocks(hessian: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The ``[K/g, g, g]`` diagonal blocks of a ``[K, K]`` Hessian: how each group's inputs
+    weigh (and correlate) within the group."""
+    k = hessian.shape[0]
+    g = k // group_size
+    idx = torch.arange(g)
+    return hessian.float().reshape(g, group_size, g, group_size)[idx, :, idx, :]
+
+
+def quantize_int4_rows(
+    weight: torch.Tensor,
+    group_size: int,
+    clip: bool = True,
+    blocks: torch.Tensor | None = None,
+):
+    """Codes, scales and zeros of ``weight [n, K]``; ``blocks`` (``hessian_blocks``, ``[K/g,
+    g, g]``) makes the clipping search minimize each group's output error instead."""
     n, k = weight.shape
     w = weight.float().view(n, k // group_size, group_size)
     lo, hi = w.amin(dim=2), w.amax(dim=2)
     best = None
-    for shrink in _INT4_SHRINK:
+    for shrink in _INT4_SHRINK if clip else _INT4_SHRINK[:1]:
         mid, half = (hi + lo) / 2, (hi - lo) / 2 * shrink
-        cand = _int4_candidate(w, mid - half, mid + half)
+        cand = _int4_candidate(w, mid - half, mid + half, blocks)
         if best is None:
             best = cand
             continue
@@ -83,12 +115,17 @@ def quantize_int4_rows(weight: torch.Tensor, group_size: int):
     return codes.view(n, k).to(torch.uint8), scales, zeros
 
 
-def _int4_candidate(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
+def _int4_candidate(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, blocks=None):
     scales = ((hi - lo) / 15).clamp(min=1e-10).to(KERNEL_DTYPE)
     zeros = (lo + 8 * scales.float()).to(KERNEL_DTYPE)
     s, z = scales.float()[..., None], zeros.float()[..., None]
     codes = torch.round((w - z) / s + 8).clamp(0, 15)
-    err = ((codes - 8) * s + z - w).square().sum(dim=2)
+    e = (codes - 8) * s + z - w  # [n, groups, g]
+    if blocks is None:
+        err = e.square().sum(dim=2)
+    else:  # e_g^T H_g e_g for every row and group
+        eg = e.transpose(0, 1)  # [groups, n, g]
+        err = (torch.bmm(eg, blocks) * eg).sum(dim=2).t().contiguous()
     return codes, scales, zeros, err
 
 
