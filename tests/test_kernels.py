@@ -57,6 +57,42 @@ def test_packed_linear_large_batches_take_onednn_with_the_dense_numbers(monkeypa
     assert torch.equal(lin.weight, w.to(torch.bfloat16))  # unpacked from the packed copy
 
 
+def test_packed_linear_without_native_bf16_takes_fp32_for_large_batches():
+    """Without native bf16 (``fp32_rows_min`` set), batches of that many rows multiply in
+    float32 on the converted bf16 weight, smaller ones on the packed kernel; both match a
+    float64 product of the same bf16 numbers, and the fused stack leaves the large batches to
+    the module."""
+    import torch.nn.functional as F
+
+    from fastforward.kernels.decoder import _add_linear
+    from fastforward.kernels.linear import PackedLinear
+
+    torch.manual_seed(3)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    lin = PackedLinear(w, b, None, keep_dense=False, packed_rows_max=1 << 62, fp32_rows_min=4)
+    wb = w.to(torch.bfloat16)
+    for rows in (3, 4, 9):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        ref = (x.double() @ wb.double().t() + b.double()).to(torch.bfloat16)
+        got = lin(x)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
+        if rows >= 4:  # exactly the float32 product
+            want = F.linear(x.float(), wb.float(), b).to(torch.bfloat16)
+            assert torch.equal(got, want)
+    head = PackedLinear(w, None, None, keep_dense=False, packed_rows_max=1 << 62, fp32_out=True,
+                        fp32_rows_min=4)  # fmt: skip
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    assert head(x).dtype == torch.float32
+    assert torch.equal(head(x), F.linear(x.float(), wb.float()))
+
+    class Stack:
+        def add_linear(self, *args):
+            return 7
+
+    assert _add_linear(Stack(), lin) == (7, 3)  # the stack takes up to 3 rows, then the module
+
+
 needs_amx = pytest.mark.skipif(
     not (kernels.available() and kernels.ops().amx_native()), reason="the CPU has no AMX"
 )

@@ -24,8 +24,13 @@ KERNEL_MODES = ("auto", "native", "torch")
 # Rows up to which the packed kernel beats oneDNN's bf16 matmul on a CPU with native bf16
 # (measured on an AMX Xeon, 2 threads, the 120 matrices of SmolLM2 in a row: 8 rows 17 ms vs
 # 19 ms, 16 rows 26 vs 18; a throwaway timing script, not a project benchmark). Without native
-# bf16 the packed kernel serves every batch size.
+# bf16 the packed kernel serves batches below FP32_ROWS_MIN.
 PACKED_ROWS_MAX_NATIVE_BF16 = 8
+# Without native bf16, batches of this many rows or more multiply in float32 on the weight
+# converted per call: a 3072 x 576 matrix on a Xeon with AVX-512 but no AVX512-BF16 took
+# 2.7 ms packed / 2.5 ms converted + fp32 at 128 rows, 1.4 / 1.9 at 64, 10.8 / 7.0 at 512 (a
+# throwaway timing script).
+FP32_ROWS_MIN = 128
 # With AMX tiles (kernels/linear.py linear_amx) the crossover is at 1-2 rows: the same 120
 # matrices took 9.7 ms packed / 9.8 ms AMX at 1 row, 9.8 / 9.6 at 2, 15.2 / 10.2 at 8 and
 # 22.8 / 9.7 at 16 (the weights from memory; a throwaway timing script).
@@ -135,6 +140,7 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
             keep_dense=native_bf16,
             packed_rows_max=rows_max,
             fp32_out=name == "lm_head",
+            fp32_rows_min=None if native_bf16 else FP32_ROWS_MIN,
         )
         model.set_submodule(name, new)
         report.linears.append(name)
@@ -143,7 +149,13 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
         # Tied: the output projection reads the embedding matrix; the packed copy serves
         # decode, the embedding keeps the dense one for lookups and large batches.
         model.lm_head = PackedLinear(
-            embed.weight, None, None, keep_dense=False, packed_rows_max=rows_max, fp32_out=True
+            embed.weight,
+            None,
+            None,
+            keep_dense=False,
+            packed_rows_max=rows_max,
+            fp32_out=True,
+            fp32_rows_min=None if native_bf16 else FP32_ROWS_MIN,
         )
         if native_bf16:
             w = embed.weight.detach().to(torch.bfloat16)

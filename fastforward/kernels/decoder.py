@@ -183,6 +183,8 @@ def _add_linear(stack: Any, lin: nn.Module) -> tuple[int, int] | None:
             None, lin.out_features, 0,
             lin.packed_rows_max, lin.bias,
         )  # fmt: skip
+        if lin.fp32_rows_min is not None:  # no native bf16: larger batches take the module path
+            return index, lin.fp32_rows_min - 1
         return index, NO_LIMIT  # larger batches take the large-batch copy inside the stack
     bias = lin.bias
     if type(lin) in (nn.Linear, MergedLinear):  # float32 engines: F.linear, as the module

@@ -66,8 +66,12 @@ class PackedLinear(nn.Module):
         keep_dense: bool,
         packed_rows_max: int,
         fp32_out: bool = False,
+        fp32_rows_min: int | None = None,
     ) -> None:
         super().__init__()
+        # CPUs without native bf16: batches of at least this many rows multiply in float32
+        # (the weight converted for the call), faster there than the software-bf16 kernel
+        self.fp32_rows_min = fp32_rows_min
         # The output projection: the packed kernel returns its fp32 accumulators, so logits
         # are not rounded to bf16 (whose steps of 1/8 at |logit| 16-32 turn near-ties exact)
         self.fp32_out = fp32_out
@@ -119,6 +123,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if self.fp32_rows_min is not None and rows >= self.fp32_rows_min:
+            return self._fp32_gemm(x)
         if self.packed is not None and (
             self.large_batch_weight is None or rows <= self.packed_rows_max
         ):
@@ -140,6 +146,13 @@ class PackedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
+
+    def _fp32_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T`` in float32 on the weight converted for this call: on a CPU without
+        native bf16 the fp32 GEMM outruns the software-bf16 kernel from ~128 rows on, the
+        conversion included (docs/cpu.md)."""
+        y = F.linear(x.float(), self.weight.float(), self.bias)
+        return y if self.fp32_out else y.to(x.dtype)
 
     def _rescored(self, x: torch.Tensor, y: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """fp32 logits from oneDNN's bf16 ones (the CPU matmul has no fp32 output for bf16
