@@ -28,7 +28,7 @@ def _outlier_layer(n=64, k=256, seed=0):
 
 def test_scale_search_lowers_the_output_error():
     w, h = _outlier_layer()
-    s, alpha = search_scales([w], h, 32)
+    s, alpha = search_scales(w, h, 32)
     plain = output_error(w, torch.ones(256), h, 32)
     assert 0 < alpha < 1 and s.shape == (256,)
     assert output_error(w, s, h, 32) < 0.8 * plain
@@ -40,7 +40,7 @@ def test_scale_search_lowers_the_output_error():
 
 def test_scale_search_with_even_inputs_keeps_round_to_nearest():
     w, _ = _outlier_layer()
-    s, alpha = search_scales([w], torch.eye(256), 32)  # every channel alike: nothing to gain
+    s, alpha = search_scales(w, torch.eye(256), 32)  # every channel alike: nothing to gain
     assert alpha == 0.0 and torch.equal(s, torch.ones(256))
     assert GRID == 20
 

@@ -128,6 +128,7 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
         return report
     native_bf16 = cpu_has_native_bf16()
     rows_max = PACKED_ROWS_MAX_NATIVE_BF16 if native_bf16 else 1 << 62
+    fp32_rows_min = None if native_bf16 else FP32_ROWS_MIN
     if native_bf16 and kernels.ops().amx_native():
         rows_max = PACKED_ROWS_MAX_AMX
     # nn.Linear and its fused subclass MergedLinear; quantized modules are not nn.Linear
@@ -140,7 +141,7 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
             keep_dense=native_bf16,
             packed_rows_max=rows_max,
             fp32_out=name == "lm_head",
-            fp32_rows_min=None if native_bf16 else FP32_ROWS_MIN,
+            fp32_rows_min=fp32_rows_min,
         )
         model.set_submodule(name, new)
         report.linears.append(name)
@@ -155,7 +156,7 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
             keep_dense=False,
             packed_rows_max=rows_max,
             fp32_out=True,
-            fp32_rows_min=None if native_bf16 else FP32_ROWS_MIN,
+            fp32_rows_min=fp32_rows_min,
         )
         if native_bf16:
             w = embed.weight.detach().to(torch.bfloat16)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fastforward.layers.norm import RMSNorm
-from fastforward.quant.rtn import KERNEL_DTYPE, group_for
+from fastforward.quant.rtn import group_for, int4_grid
 
 GRID = 20  # alpha in 0, 1/20, ..., 19/20 (the reference implementation's grid)
 SEARCH_ROWS = 256  # output rows the error is measured on (evenly spaced; the scales are shared)
@@ -42,9 +42,8 @@ def fake_int4(weight: torch.Tensor, group: int) -> torch.Tensor:
     search calls it 20 times per layer)."""
     n, k = weight.shape
     w = weight.reshape(n, k // group, group)
-    lo, hi = w.amin(dim=2, keepdim=True), w.amax(dim=2, keepdim=True)
-    s = ((hi - lo) / 15).clamp_(min=1e-10).to(KERNEL_DTYPE).float()
-    z = (lo + 8 * s).to(KERNEL_DTYPE).float()
+    scales, zeros = int4_grid(w.amin(dim=2, keepdim=True), w.amax(dim=2, keepdim=True))
+    s, z = scales.float(), zeros.float()
     q = (w - z).div_(s).add_(8).round_().clamp_(0, 15)
     return q.sub_(8).mul_(s).add_(z).view(n, k)
 
@@ -58,20 +57,20 @@ def output_error(weight: torch.Tensor, scales: torch.Tensor, hessian: torch.Tens
 
 
 def search_scales(
-    weights: list[torch.Tensor], hessian: torch.Tensor, group: int
+    weight: torch.Tensor, hessian: torch.Tensor, group: int
 ) -> tuple[torch.Tensor, float]:
-    """The per-input-channel scales (and their ``alpha``) for weights ``[N_i, K]`` that read the
-    same input, whose ``K x K`` Hessian is ``hessian``."""
+    """The per-input-channel scales (and their ``alpha``) for ``weight [N, K]`` (fused q/k/v
+    or gate/up: the matrices that read the same input) whose input Hessian is ``hessian``."""
     group = group_for(hessian.shape[0], group)
     rms = hessian.diagonal().clamp(min=0).sqrt()
     rms = rms.clamp(min=max(float(rms.max()), 1e-12) * 1e-4)  # dead channels: not 0^alpha
-    rows = [w[:: max(1, len(w) // SEARCH_ROWS)] for w in weights]
+    rows = weight[:: max(1, len(weight) // SEARCH_ROWS)]
     best_scales, best_alpha, best_err = torch.ones_like(rms), 0.0, float("inf")
     for i in range(GRID):
         alpha = i / GRID
         s = rms.pow(alpha)
         s = s / (s.max() * s.min()).sqrt()
-        err = sum(output_error(w, s, hessian, group) for w in rows)
+        err = output_error(rows, s, hessian, group)
         if err < best_err:
             best_scales, best_alpha, best_err = s, alpha, err
     return best_scales, best_alpha
@@ -126,7 +125,7 @@ def awq_scale_layer(
         name = names[linear]
         if name not in hessians:
             continue
-        s, chosen[name] = search_scales([linear.weight.detach().float()], hessians[name], group)
+        s, chosen[name] = search_scales(linear.weight.detach().float(), hessians[name], group)
         _fold_into_norm(norm, s)
         linear.weight.mul_(s)
         hessians[name] = _scale_hessian(hessians[name], s)
@@ -136,7 +135,7 @@ def awq_scale_layer(
     name, inter = names[down], down.in_features
     if name not in hessians or gate_up.out_features != 2 * inter or gate_up.bias is not None:
         return chosen
-    s, chosen[name] = search_scales([down.weight.detach().float()], hessians[name], group)
+    s, chosen[name] = search_scales(down.weight.detach().float(), hessians[name], group)
     gate_up.weight[inter:].div_(s[:, None])  # the up rows: down's inputs / s
     down.weight.mul_(s)
     hessians[name] = _scale_hessian(hessians[name], s)

@@ -115,9 +115,15 @@ def quantize_int4_rows(
     return codes.view(n, k).to(torch.uint8), scales, zeros
 
 
-def _int4_candidate(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, blocks=None):
+def int4_grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 scales and zeros (``w ~= (code - 8) * scale + zero``) of groups spanning
+    ``[lo, hi]``."""
     scales = ((hi - lo) / 15).clamp(min=1e-10).to(KERNEL_DTYPE)
-    zeros = (lo + 8 * scales.float()).to(KERNEL_DTYPE)
+    return scales, (lo + 8 * scales.float()).to(KERNEL_DTYPE)
+
+
+def _int4_candidate(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, blocks=None):
+    scales, zeros = int4_grid(lo, hi)
     s, z = scales.float()[..., None], zeros.float()[..., None]
     codes = torch.round((w - z) / s + 8).clamp(0, 15)
     e = (codes - 8) * s + z - w  # [n, groups, g]
