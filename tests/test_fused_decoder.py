@@ -61,10 +61,23 @@ def test_fused_stack_equals_module_path(tiny_model_dir, arch, dtype, count_fused
     assert fused == plain
 
 
-@needs_q4
-@pytest.mark.parametrize("method", ["int4", "codebook4", "int8"])
-def test_fused_stack_runs_quantized_layers(tiny_model_dir, method, count_fused_calls):
-    directory, _ = tiny_model_dir("llama3-rope-tied")
+needs_vnni = pytest.mark.skipif(
+    not (kernels.available() and kernels.ops().int8_rows_native()), reason="no AVX512-VNNI"
+)
+
+
+@pytest.mark.parametrize(
+    ("arch", "method"),
+    [
+        pytest.param("llama3-rope-tied", "int4", marks=needs_vnni),
+        pytest.param("llama3-rope-tied", "codebook4", marks=needs_q4),
+        pytest.param("llama3-rope-tied", "int8", marks=needs_vnni),
+        # int5 layers, and q/k (int5) beside v (int8) in one ConcatLinear
+        pytest.param("qwen2", "int4-mix", marks=needs_vnni),
+    ],
+)
+def test_fused_stack_runs_quantized_layers(tiny_model_dir, arch, method, count_fused_calls):
+    directory, _ = tiny_model_dir(arch)
     fused_llm, fused = _run(directory, True, quantization=method, kernels="native")
     assert fused_llm.engine.model.fused_decoder is not None, fused_llm.engine.runner.fused_reason
     assert count_fused_calls

@@ -203,12 +203,18 @@ def test_linear_bf16_rows_do_not_depend_on_the_batch(k, n):
     assert torch.equal(ops.linear_bf16(x[3:10], packed, n, None), batched[3:10])
 
 
-needs_q4 = pytest.mark.skipif(
-    not (kernels.available() and kernels.ops().linear_q4_native()), reason="no AVX512-BF16"
+# the int4 table (code - 8) takes integer dot products: AVX512-VNNI is enough
+needs_int4 = pytest.mark.skipif(
+    not (kernels.available() and kernels.ops().int8_rows_native()), reason="no AVX512-VNNI"
 )
 
 
-@needs_q4
+def _skip_without_table_kernel(levels: str) -> None:
+    if levels != "int4" and not kernels.ops().linear_q4_native():
+        pytest.skip("codebook tables need AVX512-BF16")
+
+
+@needs_int4
 @pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 576, 576, 32), (2, 80, 256, 64),
                          (3, 48, 128, 128), (4, 1536, 576, 32), (5, 16, 64, 32), (8, 96, 384, 64),
                          (9, 96, 384, 64)])  # fmt: skip
@@ -219,6 +225,7 @@ def test_linear_q4_matches_dense(m, n, k, group, zeros, levels):
     the kernel builds by bit logic, or codebook centroids, looked up), scales and zeros against
     a float64 matmul of the expanded weight. From 5 rows an AMX CPU takes linear_q4_amx, which
     rounds the expanded weight to bf16 once, as a dequantize-then-bf16-matmul would."""
+    _skip_without_table_kernel(levels)
     x, packed, sz, table, w = _q4_case(m, n, k, group, zeros, levels)
     y = kernels.ops().linear_q4(x, packed, sz, table, group)
     if m >= Q4_AMX_ROWS_MIN[levels] and kernels.ops().amx_native():
@@ -229,7 +236,7 @@ def test_linear_q4_matches_dense(m, n, k, group, zeros, levels):
     torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-4 * ref.abs().max())
 
 
-@needs_q4
+@needs_int4
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_linear_q4_int4_rows_with_an_outlier(m):
     """int4 rows (code - 8) of up to 4 rows run integer dot products on x held as int16 per group
@@ -367,11 +374,12 @@ def test_linear_i8g_amx_matches_bf16_weight(m, n, k, group, scale_dtype):
         ops.linear_i8g_amx(x[:, 1:], tiles, tile_scales, group)
 
 
-@needs_q4
+@needs_int4
 @pytest.mark.parametrize("method", ["int4", "codebook4"])
 def test_engine_moves_4bit_layers_onto_the_kernel(tiny_model_dir, method):
     from fastforward import LLM
 
+    _skip_without_table_kernel("int4" if method == "int4" else "centroids")
     directory, _ = tiny_model_dir("llama3-rope-tied")  # the packed embedding is the head too
     ids = list(range(3, 60))
     native = LLM(str(directory), quantization=method, kernels="native", download_progress=False)
@@ -393,7 +401,7 @@ def _4bit(model):
     return found
 
 
-@needs_q4
+@needs_int4
 def test_linear_q4_rejects_bad_input():
     from fastforward.quant import q4pack
 

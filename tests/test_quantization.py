@@ -30,6 +30,7 @@ from fastforward.quant.codebook import CodebookLinear
 from fastforward.quant.gguf_blocks import EIGHT_BIT, FOUR_BIT, PACKABLE, decode_blocks
 from fastforward.quant.gguf_load import load_gguf_packed
 from fastforward.quant.int4 import Int4Linear, int4_from_codes
+from fastforward.quant.int5 import Int5Linear, quantize_int5
 from fastforward.quant.int8 import Int8GroupLinear, Int8Linear
 from fastforward.quant.kmeans import quantize_codebook
 from fastforward.quant.rtn import quantize_int4, quantize_int8
@@ -57,9 +58,12 @@ def _modules() -> dict[str, QuantizedLinear]:
         "int8-group16": Int8GroupLinear(codes.to(torch.int8), scales),
         "codebook4": CodebookLinear(quantize_codebook(w, 16, 32)),
         "codebook8": CodebookLinear(quantize_codebook(w, 256, 128)),
+        "int5": Int5Linear(quantize_int5(w)),
     }
-    if kernels.available() and kernels.ops().linear_q4_native():
-        for name in ("int4-g32", "int4-g64", "int4-g128", "codebook4"):
+    q4 = kernels.available() and kernels.ops().linear_q4_native()
+    int4 = kernels.available() and kernels.ops().int8_rows_native()  # the int4 table: VNNI
+    for name in ("int4-g32", "int4-g64", "int4-g128", "codebook4"):
+        if q4 or (int4 and name != "codebook4"):
             native = copy.deepcopy(modules[name])
             native.use_native_kernel()
             modules[f"{name}-native"] = native
@@ -67,6 +71,9 @@ def _modules() -> dict[str, QuantizedLinear]:
         native = copy.deepcopy(modules["int8"])
         native.use_native_kernel()
         modules["int8-native"] = native
+        native = copy.deepcopy(modules["int5"])
+        native.use_native_kernel()
+        modules["int5-native"] = native
     if _amx():  # int8 groups (GGUF Q8_0/Q5_0/Q6_K) have a native kernel on AMX tiles only
         native = copy.deepcopy(modules["int8-group16"])
         native.use_native_kernel()
@@ -104,12 +111,9 @@ def test_embedding_rows_are_dequantized_rows(name):
     assert torch.equal(emb(ids), module.dequantize()[ids])
 
 
-@pytest.mark.skipif(
-    not (kernels.available() and kernels.ops().linear_q4_native()), reason="no AVX512-BF16 kernel"
-)
 @pytest.mark.parametrize(
     "name",
-    ["int4-g32", "int4-g64", "int4-g128", "codebook4", "int8"]
+    ["int4-g32", "int4-g64", "int4-g128", "codebook4", "int8", "int5"]
     + [pytest.param("int8-group16", marks=pytest.mark.skipif(not _amx(), reason="no AMX"))],
 )
 @pytest.mark.parametrize("rows", [1, 3, 5])
@@ -119,6 +123,8 @@ def test_native_layout_keeps_the_values(name, rows):
     embedding rows and the checkpoint tensors are bit for bit the same, and the matmul (few rows
     on the packed kernel, more past it) agrees with the PyTorch path's within bf16 rounding."""
     modules = _modules()
+    if f"{name}-native" not in modules:
+        pytest.skip(f"no native kernel for {name} on this CPU")
     plain, native = modules[name], modules[f"{name}-native"]
     assert native.native and not plain.native
     assert torch.equal(native.dequantize(), plain.dequantize())
@@ -251,7 +257,8 @@ def _write_tiny_gguf(path, hf_model, types: dict[str, QT]) -> None:
 
 def test_gguf_blocks_load_packed(tiny_model_dir, tmp_path):
     """A GGUF file's blocks go into packed modules (mixed types in one fused layer become a
-    ConcatLinear) and compute what the dequantized float model computes."""
+    ConcatLinear; Q5_0 keeps its 5-bit codes) and compute what the dequantized float model
+    computes."""
     _, hf_model = tiny_model_dir("qwen2")
     types = {"attn_q": QT.Q4_0, "attn_k": QT.Q4_1, "attn_v": QT.Q8_0, "attn_output": QT.Q5_0}
     types |= {"ffn_gate": QT.Q8_0, "ffn_up": QT.Q5_0, "ffn_down": QT.Q4_1, "token_embd": QT.Q8_0}
@@ -267,12 +274,15 @@ def test_gguf_blocks_load_packed(tiny_model_dir, tmp_path):
     plain = plain.to(torch.float32).to_empty(device="cpu")
     plain.load_weights(ckpt.tensors())
     assert isinstance(packed.layers[0].self_attn.qkv_proj, ConcatLinear)
-    assert isinstance(packed.layers[0].mlp.gate_up_proj, Int8GroupLinear)
+    gate_up = packed.layers[0].mlp.gate_up_proj  # Q8_0 gate, Q5_0 up
+    assert isinstance(gate_up, ConcatLinear)
+    assert [type(p) for p in gate_up.parts] == [Int8GroupLinear, Int5Linear]
+    assert isinstance(packed.layers[0].self_attn.o_proj, Int5Linear)
     assert isinstance(packed.embed_tokens, QuantizedEmbedding)
     assert not report.skipped and len(report.quantized) == 2 + 4 * config.num_hidden_layers
     for name, (module, _) in packed_modules(packed).items():
         dense = plain.get_submodule(name).weight.detach()
-        if isinstance(module, Int8GroupLinear):
+        if isinstance(module, Int8GroupLinear | Int5Linear) or name.endswith("gate_up_proj"):
             assert torch.equal(module.dequantize(), dense), name
         else:
             torch.testing.assert_close(

@@ -16,6 +16,9 @@ from fastforward.layers.attention import Attention
 from fastforward.layers.norm import RMSNorm
 from fastforward.layers.rotary import RotaryEmbedding
 from fastforward.quant.base import QuantizedLinear
+from fastforward.quant.int4 import Int4Linear
+from fastforward.quant.int5 import Int5Linear
+from fastforward.quant.int8 import Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -94,17 +97,22 @@ def kernels_usable(mode: str, device: torch.device) -> tuple[bool, str]:
 def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
     """Attention, RoPE, RMSNorm and gated activations take the native kernels (float32 or bf16);
     with bf16 weights every float linear layer, and a tied output projection, becomes a
-    ``PackedLinear``; int4 and 16-centroid codebook layers move onto ``linear_q4`` where the CPU
-    has AVX512-BF16, int8-group layers (GGUF Q8_0/Q5_0/Q6_K) onto ``linear_i8g_amx`` where it
-    has AMX."""
+    ``PackedLinear``; 16-centroid codebook layers move onto ``linear_q4`` where the CPU has
+    AVX512-BF16, int4 layers where it has AVX512-VNNI (the int4 table's integer path), int5
+    layers onto ``linear_q5`` and int8 ones onto ``linear_i8_rows`` where it has AVX512-VNNI,
+    int8-group layers (GGUF Q8_0/Q6_K) onto ``linear_i8g_amx`` where it has AMX."""
     report = KernelReport("native")
-    if kernels.ops().linear_q4_native():
-        # 4-bit weights compute in bf16 whatever the engine dtype (quant/base.py)
-        for name, module in model.named_modules():
-            if isinstance(module, QuantizedLinear):
-                module.use_native_kernel()
-                if module.native:
-                    report.quantized.append(name)
+    q4 = kernels.ops().linear_q4_native()
+    # quantized weights compute in bf16 whatever the engine dtype (quant/base.py); the formats
+    # move where the CPU has AVX512-BF16, int4, int5 and int8 also where it has only AVX512-VNNI
+    # (integer dot products; they check for it)
+    for name, module in model.named_modules():
+        if isinstance(module, Int4Linear | Int5Linear | Int8Linear) or (
+            q4 and isinstance(module, QuantizedLinear)
+        ):
+            module.use_native_kernel()
+            if module.native:
+                report.quantized.append(name)
     if dtype not in (torch.float32, torch.bfloat16):
         report.reason = f"no native kernels for {dtype}"
         return report

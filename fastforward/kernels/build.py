@@ -25,6 +25,7 @@ SOURCES = (
     "linear_q4.cpp",
     "linear_amx.cpp",
     "linear_i8g.cpp",
+    "linear_q5.cpp",
     "attention.cpp",
     "attention_amx.cpp",
     "elementwise.cpp",

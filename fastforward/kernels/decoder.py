@@ -22,11 +22,14 @@ from fastforward.attention.metadata import AttentionMetadata
 from fastforward.kernels.linear import PackedLinear
 from fastforward.layers.attention import KERNEL_MAX_QUERY_LEN, Attention
 from fastforward.layers.linear import MergedLinear
+from fastforward.quant.base import ConcatLinear
 from fastforward.quant.codebook import CodebookLinear
 from fastforward.quant.int4 import Int4Linear
+from fastforward.quant.int5 import Int5Linear
 from fastforward.quant.int8 import Int8Linear
 
-LINEAR_BF16, LINEAR_Q4, LINEAR_INT8, LINEAR_DENSE = 0, 1, 2, 3  # csrc/decoder.cpp LinearKind
+# csrc/decoder.cpp LinearKind (kConcat comes from add_concat)
+LINEAR_BF16, LINEAR_Q4, LINEAR_INT8, LINEAR_DENSE, LINEAR_Q5 = 0, 1, 2, 3, 4
 NO_LIMIT = 1 << 62
 
 
@@ -199,6 +202,17 @@ def _add_linear(stack: Any, lin: nn.Module) -> tuple[int, int] | None:
             lin.native_rows_max, bias,
         )  # fmt: skip
         return index, lin.native_rows_max
+    if isinstance(lin, Int5Linear) and lin.native:  # codes, scales
+        index = stack.add_linear(
+            LINEAR_Q5, lin.codes, lin.scales, None, lin.out_features, lin.group_size,
+            lin.native_rows_max, bias,
+        )  # fmt: skip
+        return index, lin.native_rows_max
+    if isinstance(lin, ConcatLinear):  # its parts, then their outputs side by side
+        added = [_add_linear(stack, part) for part in lin.parts]
+        if any(a is None for a in added):
+            return None
+        return stack.add_concat([i for i, _ in added], bias), min(r for _, r in added)
     if type(lin) is Int8Linear:  # ATen's layout, or linear_i8_rows' blocks (lin.native)
         index = stack.add_linear(
             LINEAR_INT8, lin.codes, lin.scales, None, lin.out_features, 0,

@@ -20,6 +20,7 @@ from fastforward.quant.gptq import gptq_int4
 from fastforward.quant.int4 import Int4Linear
 from fastforward.quant.int8 import Int8Linear
 from fastforward.quant.kmeans import quantize_codebook
+from fastforward.quant.mix import quantize_mixed
 from fastforward.quant.rtn import group_for, quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
@@ -79,10 +80,15 @@ def quantize_model(
     targets = [
         (name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)
     ]
+    tied = getattr(model, "lm_head", "absent") is None
     for name, module in targets:
         bias = module.bias if isinstance(module, nn.Linear) else None
         out_sizes = getattr(module, "out_sizes", None)
-        new = quantize_linear(module.weight, bias, out_sizes, spec, hessians.pop(name, None))
+        hessian = hessians.pop(name, None)
+        if spec.method == "mix":
+            new = quantize_mixed(name, module, hessian, tied)
+        else:
+            new = quantize_linear(module.weight, bias, out_sizes, spec, hessian)
         if isinstance(new, str):
             report.skipped[name] = new
             continue

@@ -11,6 +11,7 @@ import torch
 from fastforward.quant.base import ConcatLinear, QuantizedLinear
 from fastforward.quant.codebook import CodebookLinear
 from fastforward.quant.int4 import Int4Linear
+from fastforward.quant.int5 import Int5Linear
 from fastforward.quant.int8 import Int8GroupLinear, Int8Linear
 
 
@@ -19,7 +20,7 @@ class QuantSpec:
     """A weight quantization method with its parameters."""
 
     name: str  # canonical name, e.g. "int4-g64"
-    method: str  # int8 | int4 | codebook | gguf
+    method: str  # int8 | int4 | codebook | gguf | mix (quant/mix.py)
     group_size: int = 0  # int4
     num_centroids: int = 0  # codebook (group_size: inputs per scale)
     gptq: bool = False  # int4 codes chosen by GPTQ on calibration text (quant/gptq.py)
@@ -44,6 +45,7 @@ METHODS: dict[str, QuantSpec] = {
     "int4-awq-gptq": QuantSpec("int4-awq-gptq", "int4", group_size=32, gptq=True, awq=True),
     "int4-g64-awq": QuantSpec("int4-g64-awq", "int4", group_size=64, awq=True),
     "int4-g64-awq-gptq": QuantSpec("int4-g64-awq-gptq", "int4", group_size=64, gptq=True, awq=True),
+    "int4-mix": QuantSpec("int4-mix", "mix", group_size=32, gptq=True),
     "codebook4": QuantSpec("codebook4", "codebook", group_size=32, num_centroids=16),
     "codebook4-g64": QuantSpec("codebook4-g64", "codebook", group_size=64, num_centroids=16),
     "codebook8": QuantSpec("codebook8", "codebook", group_size=128, num_centroids=256),
@@ -65,7 +67,7 @@ def parse_quantization(name: str | None) -> QuantSpec | None:
 
 MODULES: dict[str, type[QuantizedLinear]] = {
     cls.format: cls
-    for cls in (Int8Linear, Int8GroupLinear, Int4Linear, CodebookLinear, ConcatLinear)
+    for cls in (Int8Linear, Int8GroupLinear, Int4Linear, Int5Linear, CodebookLinear, ConcatLinear)
 }
 
 

@@ -40,8 +40,11 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("levels", None)
 
     def use_native_kernel(self) -> None:
-        """Repack the same codes, scales and zeros for ``torch.ops.fastforward.linear_q4``."""
-        if self.native:
+        """Repack the same codes, scales and zeros for ``torch.ops.fastforward.linear_q4`` (the
+        int4 table's integer path: CPUs with AVX512-VNNI)."""
+        from fastforward import kernels
+
+        if self.native or not kernels.ops().int8_rows_native():
             return
         codes, (s, z) = self.unpacked_codes(), self._scales_zeros()
         self.packed = q4pack.pack(codes)  # [N/16, K/4, 32]

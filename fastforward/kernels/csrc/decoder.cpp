@@ -22,6 +22,8 @@ enum LinearKind : int64_t {
   kInt8 = 2,  // int8 codes, one scale per output row (quant/int8.py Int8Linear; ATen's layout,
               // or blocks of 16 rows for linear_i8_rows)
   kDense = 3,  // a plain weight in the activations' dtype (nn.Linear: float32 engines)
+  kQ5 = 4,     // 5-bit codes, float16 group scales (quant/int5.py Int5Linear)
+  kConcat = 5,  // parts side by side, one bias (quant/base.py ConcatLinear; add_concat)
 };
 
 // x @ W^T through oneDNN with W already in its blocked layout (mkldnn::_reorder_linear_weight,
@@ -48,10 +50,18 @@ struct Linear {
   int64_t group = 0;
   int64_t rows_max = 0;  // batches up to this many rows run the packed kernel
   std::optional<at::Tensor> bias;
+  std::vector<Linear> parts;  // kConcat
 
   at::Tensor operator()(const at::Tensor& x) const {
     const int64_t rows = x.size(0);
     if (kind == kDense) return at::linear(x, w, bias);
+    if (kind == kConcat) {
+      std::vector<at::Tensor> ys;
+      for (const auto& p : parts) ys.push_back(p(x));
+      auto y = at::cat(ys, -1);
+      if (bias) y = y + *bias;
+      return y;
+    }
     if (kind == kBf16) {
       const bool tiles_only = w.dim() == 4;  // AMX tiles, the one copy (w and aux alike)
       if (!tiles_only && (!aux.defined() || rows <= rows_max)) return linear_bf16(x, w, n, bias);
@@ -68,6 +78,7 @@ struct Linear {
                 rows_max);
     const auto xb = x.to(at::kBFloat16).contiguous();
     auto y = kind == kQ4      ? linear_q4(xb, w, aux, table, group)
+             : kind == kQ5    ? linear_q5(xb, w, aux, group)
              : w.dim() == 4 ? linear_i8_rows(xb, w, aux)  // codes in blocks of 16 rows
                             : at::_weight_int8pack_mm(xb, w, aux);
     y = y.to(x.scalar_type());
@@ -102,7 +113,7 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t add_linear(int64_t kind, at::Tensor w, std::optional<at::Tensor> aux,
                      std::optional<at::Tensor> table, int64_t n, int64_t group,
                      int64_t rows_max, std::optional<at::Tensor> bias) {
-    TORCH_CHECK(kind >= kBf16 && kind <= kDense, "unknown linear kind ", kind);
+    TORCH_CHECK(kind >= kBf16 && kind <= kQ5, "unknown linear kind ", kind);
     TORCH_CHECK(kind == kBf16 || kind == kDense || aux.has_value(), "quantized linear needs its scales");
     TORCH_CHECK(kind != kQ4 || table.has_value(), "4-bit linear needs its table");
     Linear l;
@@ -113,6 +124,22 @@ class DecoderStack : public torch::CustomClassHolder {
     l.n = n;
     l.group = group;
     l.rows_max = rows_max;
+    l.bias = std::move(bias);
+    linears_.push_back(std::move(l));
+    return int64_t(linears_.size()) - 1;
+  }
+
+  // Linears added before (by index) as the parts of one, their outputs side by side; returns
+  // its index for add_layer.
+  int64_t add_concat(std::vector<int64_t> parts, std::optional<at::Tensor> bias) {
+    TORCH_CHECK(!parts.empty(), "a concatenated linear needs parts");
+    Linear l;
+    l.kind = kConcat;
+    for (auto i : parts) {
+      TORCH_CHECK(i >= 0 && i < int64_t(linears_.size()), "no linear ", i);
+      l.parts.push_back(linears_[i]);
+      l.n += linears_[i].n;
+    }
     l.bias = std::move(bias);
     linears_.push_back(std::move(l));
     return int64_t(linears_.size()) - 1;
@@ -245,6 +272,7 @@ TORCH_LIBRARY_FRAGMENT(fastforward, m) {
   m.class_<ff::DecoderStack>("DecoderStack")
       .def(torch::init<>())
       .def("add_linear", &ff::DecoderStack::add_linear)
+      .def("add_concat", &ff::DecoderStack::add_concat)
       .def("add_layer", &ff::DecoderStack::add_layer)
       .def("num_layers", &ff::DecoderStack::num_layers)
       .def("max_positions", &ff::DecoderStack::max_positions)

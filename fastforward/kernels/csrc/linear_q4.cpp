@@ -43,16 +43,23 @@ namespace ff {
 constexpr int64_t kQ4AmxRowsMin = 5;
 constexpr int64_t kQ4Int4AmxRowsMin = 9;
 
+// Codebook tables need AVX512-BF16 (FF_Q4); the int4 table only AVX512-VNNI (FF_Q4_INT).
 #if defined(__AVX512BF16__) && defined(FF_INT16_ROWS)
 #define FF_Q4 1
 constexpr bool kQ4Native = true;
 #else
 constexpr bool kQ4Native = false;
 #endif
+#ifdef FF_INT16_ROWS
+#define FF_Q4_INT 1
+constexpr bool kQ4IntNative = true;
+#else
+constexpr bool kQ4IntNative = false;
+#endif
 
 bool linear_q4_native() { return kQ4Native; }
 
-#ifdef FF_Q4
+#ifdef FF_Q4_INT
 namespace {
 
 constexpr int TILE = 16;
@@ -85,11 +92,11 @@ inline void store_rows(const __m512 (&acc)[MR][NT], uint16_t* y, int64_t N, int6
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) {
-      const __m256bh out = _mm512_cvtneps_pbh(acc[m][t]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (t0 + t) * TILE), (__m256i)out);
-    }
+    for (int t = 0; t < NT; ++t)
+      store_bf16(y + m * N + (t0 + t) * TILE, reinterpret_cast<const vf&>(acc[m][t]));
 }
+
+#ifdef FF_Q4
 
 // MR rows x NT tiles from tile t0, through the table. One row keeps the low and high halves of
 // each quad in two dot-product chains (8 chains with NT = 4) to cover vdpbf16ps's latency; more
@@ -147,6 +154,7 @@ __attribute__((noinline)) void block(const uint16_t* x, int64_t K, const uint8_t
   }
   store_rows(acc, y, N, t0);
 }
+#endif
 
 // MR rows x NT tiles from tile t0 for the int4 table: x as int16 groups (xq, scales xs, float
 // sums sx; quantize_groups), codes as words, exact int32 dot products per group (vpdpwssd), the
@@ -228,7 +236,6 @@ void check_linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
 
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                      const at::Tensor& table, int64_t group_size) {
-  TORCH_CHECK(kQ4Native, "linear_q4 needs AVX512-BF16 and AVX512-VNNI (this build has no 4-bit kernel)");
   check_linear_q4(x, wq, sz, table, group_size);
   const int64_t K = x.size(-1);
   auto tc = table.contiguous();
@@ -237,6 +244,9 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
   std::memcpy(tab + 16, tc.data_ptr(), 32);
   bool int4 = true;  // the int4 table, code - 8: integer dot products, no lookup
   for (int c = 0; c < 16; ++c) int4 = int4 && bf16_to_float(tab[c]) == float(c - 8);
+  TORCH_CHECK(kQ4Native || (int4 && kQ4IntNative),
+              int4 ? "linear_q4 needs AVX512-VNNI (this build has no 4-bit kernel)"
+                   : "linear_q4 with a codebook table needs AVX512-BF16 and AVX512-VNNI");
   if (x.numel() >= (int4 ? kQ4Int4AmxRowsMin : kQ4AmxRowsMin) * K && amx_native())
     return linear_q4_amx(x, wq, sz, table, group_size);
   const int64_t tiles = wq.size(0), N = tiles * 16, G = K / group_size;
@@ -245,7 +255,7 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = N;
   auto y = at::empty({M, N}, x.options());
-#ifdef FF_Q4
+#ifdef FF_Q4_INT
   if (M == 0) return y.view(out_sizes);
   const int C = int(sz.size(2));
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
@@ -264,6 +274,8 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
     });
     return y.view(out_sizes);
   }
+#endif
+#ifdef FF_Q4
   // Per row and group, the sum of x (the zeros' term).
   std::vector<float> sx(C == 2 ? M * G : 0);
   for (int64_t m = 0; m < (C == 2 ? M : 0); ++m)

@@ -59,4 +59,7 @@ bool int8_rows_native();
 at::Tensor linear_i8g_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                            int64_t group_size);
 at::Tensor linear_i8_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+at::Tensor linear_q5(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     int64_t group_size);
+void dequantize_q5(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out);
 }  // namespace ff

@@ -1,0 +1,202 @@
+// y = x @ W^T for 5-bit weights with one float16 scale per group of inputs, for batches of a few
+// rows (decode): W[n, k] = (code[n, k] - 16) * s[n, g], codes 0..31 -- GGUF's Q5_0 grid, which
+// our int5 quantizer reproduces (fastforward/quant/int5.py).
+//
+// Codes: [N/16, K/4, 40] bytes, one stream per tile of 16 outputs. Of the 40 bytes of tile t and
+// input quad p, the first 32 hold the low four bits in linear_q4's packed layout (byte 2i holds
+// code[16t+i][4p] (low nibble) and code[16t+i][4p+2] (high), byte 2i+1 codes 4p+1 and 4p+3), the
+// last 8 the fifth bits as a 64-bit mask: bit 2i+j is code[16t+i][4p+j]'s, bit 32+2i+j is
+// code[16t+i][4p+2+j]'s. (Two streams a tile, low bits and masks apart, ran 25-40% slower per
+// byte than int4 at one row.) So one zero-extension of the 32 bytes to words, two masks and two masked
+// adds of 16 give the 64 codes as words, in the order of the int16 pairs of x (int16_rows.h), and
+// AVX512-VNNI's vpdpwssd takes exact int32 dot products per group:
+// d = sum_k xq[k] * code[k], then y += s * (xs * d - 16 * sum_k x[k]).
+//
+// A decode step reads 5 bits per weight plus the group scales (0.5 bits at groups of 32).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#include "int16_rows.h"
+#include "ops.h"
+
+namespace ff {
+
+constexpr int QUAD_BYTES_Q5 = 40;  // a tile's quad: 32 bytes of low bits, 8 of fifth bits
+
+#ifdef FF_INT16_ROWS
+namespace {
+
+constexpr int TILE = 16;
+constexpr int QUAD_BYTES = QUAD_BYTES_Q5;
+constexpr int PF = 24;  // quads (~1 KiB) ahead on each tile's stream
+
+// MR rows x NT tiles from tile t0. One row keeps the quads' low and high halves in two chains
+// per tile to cover vpdpwssd's latency; more rows have MR x NT independent chains already.
+// noinline: kept out of for_row_blocks' walk, as the int4 kernel's blocks.
+template <int MR, int NT>
+__attribute__((noinline)) void block(const int16_t* xq, int64_t K, const uint8_t* w,
+                                     const uint16_t* sc, const float* xs,
+                                     const float* sx, int64_t G, int64_t quads_per_group,
+                                     int64_t t0, uint16_t* y, int64_t N) {
+  constexpr bool SPLIT = MR == 1;
+  const int64_t quads = K / 4, tile_bytes = quads * QUAD_BYTES;
+  const uint8_t* wt = w + t0 * tile_bytes;
+  const __m512i nib = _mm512_set1_epi16(0x000f), sixteen = _mm512_set1_epi16(16);
+  __m512 acc[MR][NT];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i dl[MR][NT], dh[MR][NT];
+    for (int m = 0; m < MR; ++m)
+      for (int t = 0; t < NT; ++t) dl[m][t] = dh[m][t] = _mm512_setzero_si512();
+    const int64_t q0 = g * quads_per_group;
+    for (int64_t q = q0; q < q0 + quads_per_group; ++q) {
+      __m512i xl[MR], xh[MR];
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {  // (x[4q], x[4q + 1]) and (x[4q + 2], x[4q + 3]) as int16 pairs
+        xl[m] = splat_pair(xq + m * K + 4 * q);
+        xh[m] = splat_pair(xq + m * K + 4 * q + 2);
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) {
+        const uint8_t* src = wt + t * tile_bytes + q * QUAD_BYTES;
+        _mm_prefetch(reinterpret_cast<const char*>(src + PF * QUAD_BYTES), _MM_HINT_T0);
+        const __m512i b =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+        // the masks straight from memory (kmovd k, m32: a load, not a move from a register)
+        auto* bits = reinterpret_cast<__mmask32*>(const_cast<uint8_t*>(src + 32));
+        __m512i lo = _mm512_and_si512(b, nib);  // word 2i + j: code[i][4q + j] & 15
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);  // code[i][4q + 2 + j] & 15
+        lo = _mm512_mask_add_epi16(lo, _load_mask32(bits), lo, sixteen);
+        hi = _mm512_mask_add_epi16(hi, _load_mask32(bits + 1), hi, sixteen);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          dl[m][t] = _mm512_dpwssd_epi32(dl[m][t], lo, xl[m]);
+          if constexpr (SPLIT) dh[m][t] = _mm512_dpwssd_epi32(dh[m][t], hi, xh[m]);
+          else dl[m][t] = _mm512_dpwssd_epi32(dl[m][t], hi, xh[m]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      const __m512 s = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + ((t0 + t) * G + g) * TILE)));
+      const __m512 z = _mm512_mul_ps(_mm512_set1_ps(-16.f), s);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m512i d = SPLIT ? _mm512_add_epi32(dl[m][t], dh[m][t]) : dl[m][t];
+        const __m512 sxs = _mm512_mul_ps(s, _mm512_set1_ps(xs[m * G + g]));
+        acc[m][t] = _mm512_fmadd_ps(sxs, _mm512_cvtepi32_ps(d), acc[m][t]);
+        acc[m][t] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[m * G + g]), acc[m][t]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t)
+      store_bf16(y + m * N + (t0 + t) * TILE, reinterpret_cast<const vf&>(acc[m][t]));
+}
+
+}  // namespace
+#endif
+
+namespace {
+
+// codes [N/16, K/4, 40] uint8, scales [N/16, K/group, 16] float16.
+void check_q5(const at::Tensor& codes, const at::Tensor& scales, int64_t group_size) {
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == QUAD_BYTES_Q5 &&
+                  codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes must be a contiguous [N/16, K/4, 40] uint8 tensor");
+  const int64_t tiles = codes.size(0), quads = codes.size(1), K = quads * 4;
+  TORCH_CHECK(group_size >= 4 && group_size % 4 == 0 && K % group_size == 0, "group size ",
+              group_size, " must be a multiple of 4 dividing K=", K);
+  const int64_t G = K / group_size;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == tiles && scales.size(1) == G &&
+                  scales.size(2) == 16 && scales.scalar_type() == at::kHalf &&
+                  scales.is_contiguous(),
+              "scales must be a contiguous [N/16, K/group, 16] float16 tensor");
+}
+
+}  // namespace
+
+// x [.., K] bf16, the weight in the layouts above (check_q5). Meant for few rows: the cost grows
+// with them.
+at::Tensor linear_q5(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     int64_t group_size) {
+  check_q5(codes, scales, group_size);
+  const int64_t tiles = codes.size(0), K = codes.size(1) * 4, N = tiles * 16, G = K / group_size;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K,
+              " features");
+#ifdef FF_INT16_ROWS
+  auto xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y.view(out_sizes);
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xs(M * G), sx(M * G);
+  quantize_groups(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, group_size, xq.data(),
+                  xs.data(), sx.data());
+  const auto* wp = codes.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t qpg = group_size / 4;
+  for_row_blocks(tiles, M, K * 10, [&](auto nt, auto mr, int64_t m0, int64_t t0) {
+    block<decltype(mr)::value, decltype(nt)::value>(xq.data() + m0 * K, K, wp, sp,
+                                                   xs.data() + m0 * G, sx.data() + m0 * G, G,
+                                                   qpg, t0, yp + m0 * N, N);
+  });
+  return y.view(out_sizes);
+#else
+  TORCH_CHECK(false, "linear_q5 needs AVX512-VNNI");
+#endif
+}
+
+// The weight [N, K] as float32 or bf16 (out's dtype, [N, K], written here): for the dense
+// matmul of large batches, where one expansion per call serves every row.
+void dequantize_q5(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out) {
+  const int64_t tiles = codes.size(0), quads = codes.size(1), K = quads * 4;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(1) > 0 && K % scales.size(1) == 0,
+              "scales must be [N/16, K/group, 16]");
+  const int64_t G = scales.size(1), group_size = K / G;
+  check_q5(codes, scales, group_size);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == tiles * 16 && out.size(1) == K &&
+                  out.is_contiguous() &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "out must be a contiguous [N, K] float32 or bf16 tensor");
+  const auto* wp = codes.data_ptr<uint8_t>();
+  const auto* sp = scales.data_ptr<at::Half>();
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  auto* of = bf16 ? nullptr : out.data_ptr<float>();
+  auto* ob = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> row(K);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int i = 0; i < 16; ++i) {
+        for (int64_t q = 0; q < quads; ++q) {
+          const uint8_t* quad = wp + (t * quads + q) * QUAD_BYTES_Q5;
+          const uint8_t* b = quad + 2 * i;
+          uint64_t bits;
+          std::memcpy(&bits, quad + 32, 8);
+          const float s = float(sp[(t * G + 4 * q / group_size) * 16 + i]);
+          const int c0 = (b[0] & 15) | int((bits >> (2 * i)) & 1) << 4;
+          const int c1 = (b[1] & 15) | int((bits >> (2 * i + 1)) & 1) << 4;
+          const int c2 = (b[0] >> 4) | int((bits >> (32 + 2 * i)) & 1) << 4;
+          const int c3 = (b[1] >> 4) | int((bits >> (33 + 2 * i)) & 1) << 4;
+          float* r = row.data() + 4 * q;
+          r[0] = float(c0 - 16) * s, r[1] = float(c1 - 16) * s;
+          r[2] = float(c2 - 16) * s, r[3] = float(c3 - 16) * s;
+        }
+        const int64_t n = t * 16 + i;
+        if (bf16)
+          for (int64_t k = 0; k < K; ++k) ob[n * K + k] = float_to_bf16(row[k]);
+        else
+          std::memcpy(of + n * K, row.data(), K * sizeof(float));
+      }
+  });
+}
+
+}  // namespace ff
