@@ -105,5 +105,65 @@ void for_row_blocks(int64_t blocks, int64_t M, int64_t block_bytes, F&& kernel) 
   });
 }
 
+// MR rows x NT tiles of 16 outputs from tile t0 for packed integer codes (the int4 and int5
+// kernels, linear_q4.cpp and linear_q5.cpp): the codes of each tile and input quad (64 codes, 16
+// outputs x 4 inputs) come as words from Codes::words(tile, quad, lo, hi) -- word 2i + j of lo
+// is code[i][4q + j], of hi code[i][4q + 2 + j] -- and meet the rows' int16 pairs in exact int32
+// dot products per group (vpdpwssd), then y += s * xs * d + z * sum(x) with
+// (s, z) = Codes::scale_zero(tile, group). One row keeps the quads' two halves in two chains per
+// tile to cover vpdpwssd's latency; more rows have MR x NT chains already. noinline: kept out of
+// for_row_blocks' walk (inlined there, the [3072, 576] int4 matrix from L3 took 62-65 us
+// against 39-46).
+template <int MR, int NT, typename Codes>
+__attribute__((noinline)) void int_codes_block(const Codes& codes, const int16_t* xq, int64_t K,
+                                               const float* xs, const float* sx, int64_t G,
+                                               int64_t quads_per_group, int64_t t0, uint16_t* y,
+                                               int64_t N) {
+  constexpr bool SPLIT = MR == 1;
+  __m512 acc[MR][NT];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i dl[MR][NT], dh[MR][NT];
+    for (int m = 0; m < MR; ++m)
+      for (int t = 0; t < NT; ++t) dl[m][t] = dh[m][t] = _mm512_setzero_si512();
+    const int64_t q0 = g * quads_per_group;
+    for (int64_t q = q0; q < q0 + quads_per_group; ++q) {
+      __m512i xl[MR], xh[MR];
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {  // (x[4q], x[4q + 1]) and (x[4q + 2], x[4q + 3]) as int16 pairs
+        xl[m] = splat_pair(xq + m * K + 4 * q);
+        xh[m] = splat_pair(xq + m * K + 4 * q + 2);
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) {
+        __m512i lo, hi;
+        codes.words(t0 + t, q, lo, hi);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          dl[m][t] = _mm512_dpwssd_epi32(dl[m][t], lo, xl[m]);
+          if constexpr (SPLIT) dh[m][t] = _mm512_dpwssd_epi32(dh[m][t], hi, xh[m]);
+          else dl[m][t] = _mm512_dpwssd_epi32(dl[m][t], hi, xh[m]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      __m512 s, z;
+      codes.scale_zero(t0 + t, g, s, z);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m512i d = SPLIT ? _mm512_add_epi32(dl[m][t], dh[m][t]) : dl[m][t];
+        const __m512 sxs = _mm512_mul_ps(s, _mm512_set1_ps(xs[m * G + g]));
+        acc[m][t] = _mm512_fmadd_ps(sxs, _mm512_cvtepi32_ps(d), acc[m][t]);
+        acc[m][t] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[m * G + g]), acc[m][t]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t)
+      store_bf16(y + m * N + (t0 + t) * 16, reinterpret_cast<const vf&>(acc[m][t]));
+}
+
 }  // namespace ff
 #endif

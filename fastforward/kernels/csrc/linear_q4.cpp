@@ -156,61 +156,28 @@ __attribute__((noinline)) void block(const uint16_t* x, int64_t K, const uint8_t
 }
 #endif
 
-// MR rows x NT tiles from tile t0 for the int4 table: x as int16 groups (xq, scales xs, float
-// sums sx; quantize_groups), codes as words, exact int32 dot products per group (vpdpwssd), the
-// same chains as block.
-template <int MR, int NT>
-__attribute__((noinline)) void block_i16(const int16_t* xq, int64_t K, const uint8_t* w, const uint16_t* sz, int C,
-               const float* xs, const float* sx, int64_t G, int64_t quads_per_group, int64_t t0,
-               uint16_t* y, int64_t N) {
-  constexpr bool SPLIT = MR == 1;
-  const int64_t tile_bytes = K / 4 * QUAD_BYTES;
-  const uint8_t* wt = w + t0 * tile_bytes;
-  const __m512i nib = _mm512_set1_epi16(0x000f);
-  __m512 acc[MR][NT];
-  fill(acc, _mm512_setzero_ps());
-  for (int64_t g = 0; g < G; ++g) {
-    __m512i dl[MR][NT], dh[MR][NT];
-    fill(dl, _mm512_setzero_si512());
-    fill(dh, _mm512_setzero_si512());
-    const int64_t q0 = g * quads_per_group;
-    for (int64_t q = q0; q < q0 + quads_per_group; ++q) {
-      __m512i xl[MR], xh[MR];
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m) {  // (x[4q], x[4q + 1]) and (x[4q + 2], x[4q + 3]) as int16 pairs
-        xl[m] = splat_pair(xq + m * K + 4 * q);
-        xh[m] = splat_pair(xq + m * K + 4 * q + 2);
-      }
-#pragma GCC unroll 4
-      for (int t = 0; t < NT; ++t) {
-        const __m512i b = quad_bytes(wt, tile_bytes, t, q);
-        const __m512i lo = _mm512_and_si512(b, nib);  // word 2i + j: code[i][4q + j]
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);  // code[i][4q + 2 + j]
-#pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {
-          dl[m][t] = _mm512_dpwssd_epi32(dl[m][t], lo, xl[m]);
-          if constexpr (SPLIT) dh[m][t] = _mm512_dpwssd_epi32(dh[m][t], hi, xh[m]);
-          else dl[m][t] = _mm512_dpwssd_epi32(dl[m][t], hi, xh[m]);
-        }
-      }
-    }
-#pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) {
-      const uint16_t* st = sz + ((t0 + t) * G + g) * C * TILE;
-      const __m512 s = load_bf16x16(st);
-      const __m512 z0 = C == 2 ? load_bf16x16(st + TILE) : _mm512_setzero_ps();
-      const __m512 z = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z0);  // z - 8 s
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m) {
-        const __m512i d = SPLIT ? _mm512_add_epi32(dl[m][t], dh[m][t]) : dl[m][t];
-        const __m512 sxs = _mm512_mul_ps(s, _mm512_set1_ps(xs[m * G + g]));
-        acc[m][t] = _mm512_fmadd_ps(sxs, _mm512_cvtepi32_ps(d), acc[m][t]);
-        acc[m][t] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[m * G + g]), acc[m][t]);
-      }
-    }
+// The int4 table's codes of int_codes_block (int16_rows.h): both nibbles of each byte, masked.
+struct Int4Codes {
+  const uint8_t* w;    // [N/16, K/4, 32]
+  const uint16_t* sz;  // [N/16, G, C, 16] bf16
+  int64_t tile_bytes, G;
+  int C;
+
+  void words(int64_t tile, int64_t q, __m512i& lo, __m512i& hi) const {
+    const __m512i nib = _mm512_set1_epi16(0x000f);
+    const __m512i b = quad_bytes(w, tile_bytes, int(tile), q);
+    lo = _mm512_and_si512(b, nib);  // word 2i + j: code[i][4q + j]
+    hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);  // code[i][4q + 2 + j]
   }
-  store_rows(acc, y, N, t0);
-}
+
+  // w = (code - 8) * s + z: the zero term is z - 8 s.
+  void scale_zero(int64_t tile, int64_t g, __m512& s, __m512& z) const {
+    const uint16_t* st = sz + (tile * G + g) * C * TILE;
+    s = load_bf16x16(st);
+    const __m512 z0 = C == 2 ? load_bf16x16(st + TILE) : _mm512_setzero_ps();
+    z = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z0);
+  }
+};
 
 }  // namespace
 #endif
@@ -267,10 +234,11 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
     std::vector<int16_t> xq(M * K);
     std::vector<float> xs(M * G), sx(M * G);
     quantize_groups(xp, M, K, group_size, xq.data(), xs.data(), sx.data());
+    const Int4Codes c{wp, sp, K / 4 * QUAD_BYTES, G, C};
     for_row_blocks(tiles, M, K * 8, [&](auto nt, auto mr, int64_t m0, int64_t t0) {
-      block_i16<decltype(mr)::value, decltype(nt)::value>(xq.data() + m0 * K, K, wp, sp, C,
-                                                         xs.data() + m0 * G, sx.data() + m0 * G,
-                                                         G, qpg, t0, yp + m0 * N, N);
+      int_codes_block<decltype(mr)::value, decltype(nt)::value>(
+          c, xq.data() + m0 * K, K, xs.data() + m0 * G, sx.data() + m0 * G, G, qpg, t0,
+          yp + m0 * N, N);
     });
     return y.view(out_sizes);
   }

@@ -33,71 +33,33 @@ constexpr int TILE = 16;
 constexpr int QUAD_BYTES = QUAD_BYTES_Q5;
 constexpr int PF = 24;  // quads (~1 KiB) ahead on each tile's stream
 
-// MR rows x NT tiles from tile t0. One row keeps the quads' low and high halves in two chains
-// per tile to cover vpdpwssd's latency; more rows have MR x NT independent chains already.
-// noinline: kept out of for_row_blocks' walk, as the int4 kernel's blocks.
-template <int MR, int NT>
-__attribute__((noinline)) void block(const int16_t* xq, int64_t K, const uint8_t* w,
-                                     const uint16_t* sc, const float* xs,
-                                     const float* sx, int64_t G, int64_t quads_per_group,
-                                     int64_t t0, uint16_t* y, int64_t N) {
-  constexpr bool SPLIT = MR == 1;
-  const int64_t quads = K / 4, tile_bytes = quads * QUAD_BYTES;
-  const uint8_t* wt = w + t0 * tile_bytes;
-  const __m512i nib = _mm512_set1_epi16(0x000f), sixteen = _mm512_set1_epi16(16);
-  __m512 acc[MR][NT];
-  for (int m = 0; m < MR; ++m)
-    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m512i dl[MR][NT], dh[MR][NT];
-    for (int m = 0; m < MR; ++m)
-      for (int t = 0; t < NT; ++t) dl[m][t] = dh[m][t] = _mm512_setzero_si512();
-    const int64_t q0 = g * quads_per_group;
-    for (int64_t q = q0; q < q0 + quads_per_group; ++q) {
-      __m512i xl[MR], xh[MR];
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m) {  // (x[4q], x[4q + 1]) and (x[4q + 2], x[4q + 3]) as int16 pairs
-        xl[m] = splat_pair(xq + m * K + 4 * q);
-        xh[m] = splat_pair(xq + m * K + 4 * q + 2);
-      }
-#pragma GCC unroll 4
-      for (int t = 0; t < NT; ++t) {
-        const uint8_t* src = wt + t * tile_bytes + q * QUAD_BYTES;
-        _mm_prefetch(reinterpret_cast<const char*>(src + PF * QUAD_BYTES), _MM_HINT_T0);
-        const __m512i b =
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-        // the masks straight from memory (kmovd k, m32: a load, not a move from a register)
-        auto* bits = reinterpret_cast<__mmask32*>(const_cast<uint8_t*>(src + 32));
-        __m512i lo = _mm512_and_si512(b, nib);  // word 2i + j: code[i][4q + j] & 15
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);  // code[i][4q + 2 + j] & 15
-        lo = _mm512_mask_add_epi16(lo, _load_mask32(bits), lo, sixteen);
-        hi = _mm512_mask_add_epi16(hi, _load_mask32(bits + 1), hi, sixteen);
-#pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {
-          dl[m][t] = _mm512_dpwssd_epi32(dl[m][t], lo, xl[m]);
-          if constexpr (SPLIT) dh[m][t] = _mm512_dpwssd_epi32(dh[m][t], hi, xh[m]);
-          else dl[m][t] = _mm512_dpwssd_epi32(dl[m][t], hi, xh[m]);
-        }
-      }
-    }
-#pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) {
-      const __m512 s = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + ((t0 + t) * G + g) * TILE)));
-      const __m512 z = _mm512_mul_ps(_mm512_set1_ps(-16.f), s);
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m) {
-        const __m512i d = SPLIT ? _mm512_add_epi32(dl[m][t], dh[m][t]) : dl[m][t];
-        const __m512 sxs = _mm512_mul_ps(s, _mm512_set1_ps(xs[m * G + g]));
-        acc[m][t] = _mm512_fmadd_ps(sxs, _mm512_cvtepi32_ps(d), acc[m][t]);
-        acc[m][t] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[m * G + g]), acc[m][t]);
-      }
-    }
+// The int5 codes of int_codes_block (int16_rows.h): low bits and masks from the tile's stream.
+struct Int5Codes {
+  const uint8_t* w;     // [N/16, K/4, 40]
+  const uint16_t* sc;   // [N/16, G, 16] float16
+  int64_t quads, G;
+
+  void words(int64_t tile, int64_t q, __m512i& lo, __m512i& hi) const {
+    const __m512i nib = _mm512_set1_epi16(0x000f), sixteen = _mm512_set1_epi16(16);
+    const uint8_t* src = w + (tile * quads + q) * QUAD_BYTES;
+    _mm_prefetch(reinterpret_cast<const char*>(src + PF * QUAD_BYTES), _MM_HINT_T0);
+    const __m512i b =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    // the masks straight from memory (kmovd k, m32: a load, not a move from a register)
+    auto* bits = reinterpret_cast<__mmask32*>(const_cast<uint8_t*>(src + 32));
+    lo = _mm512_and_si512(b, nib);  // word 2i + j: code[i][4q + j] & 15
+    hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);  // code[i][4q + 2 + j] & 15
+    lo = _mm512_mask_add_epi16(lo, _load_mask32(bits), lo, sixteen);
+    hi = _mm512_mask_add_epi16(hi, _load_mask32(bits + 1), hi, sixteen);
   }
-  for (int m = 0; m < MR; ++m)
-    for (int t = 0; t < NT; ++t)
-      store_bf16(y + m * N + (t0 + t) * TILE, reinterpret_cast<const vf&>(acc[m][t]));
-}
+
+  // w = (code - 16) * s: the zero term is -16 s.
+  void scale_zero(int64_t tile, int64_t g, __m512& s, __m512& z) const {
+    s = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (tile * G + g) * TILE)));
+    z = _mm512_mul_ps(_mm512_set1_ps(-16.f), s);
+  }
+};
 
 }  // namespace
 #endif
@@ -140,14 +102,14 @@ at::Tensor linear_q5(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   std::vector<float> xs(M * G), sx(M * G);
   quantize_groups(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, group_size, xq.data(),
                   xs.data(), sx.data());
-  const auto* wp = codes.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  const Int5Codes c{codes.data_ptr<uint8_t>(),
+                    reinterpret_cast<const uint16_t*>(scales.data_ptr()), K / 4, G};
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t qpg = group_size / 4;
   for_row_blocks(tiles, M, K * 10, [&](auto nt, auto mr, int64_t m0, int64_t t0) {
-    block<decltype(mr)::value, decltype(nt)::value>(xq.data() + m0 * K, K, wp, sp,
-                                                   xs.data() + m0 * G, sx.data() + m0 * G, G,
-                                                   qpg, t0, yp + m0 * N, N);
+    int_codes_block<decltype(mr)::value, decltype(nt)::value>(
+        c, xq.data() + m0 * K, K, xs.data() + m0 * G, sx.data() + m0 * G, G, qpg, t0,
+        yp + m0 * N, N);
   });
   return y.view(out_sizes);
 #else
