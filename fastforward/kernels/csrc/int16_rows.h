@@ -8,12 +8,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
+#include "parallel.h"
 #include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -87,27 +87,19 @@ void for_row_blocks(int64_t blocks, int64_t M, int64_t block_bytes, F&& kernel) 
       default: return kernel(nt, std::integral_constant<int, 4>{}, m0, b0);
     }
   };
-  // Runs are handed out in chunks from a shared counter rather than split in equal halves up
-  // front: a thread that starts late (woken from its wait) or reads slower memory no longer
-  // leaves the other at the barrier. Below two grains the calling thread does it all.
-  const int64_t threads = runs >= 2 * grain ? at::get_num_threads() : 1;
-  const int64_t chunk = std::max<int64_t>(grain, runs / (8 * threads));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t r0 = next.fetch_add(chunk); r0 < runs; r0 = next.fetch_add(chunk)) {
-      for (int64_t run = r0; run < std::min(runs, r0 + chunk); ++run) {
-        const int64_t b0 = run * NT;
-        const int nt = int(std::min<int64_t>(NT, blocks - b0));
-        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-          const int r = int(std::min<int64_t>(MR_MAX, M - m0));
-          if (nt == NT && r <= 2) {
-            with_rows(std::integral_constant<int, 4>{}, r, m0, b0);
-          } else if (nt == NT) {
-            with_rows(std::integral_constant<int, 2>{}, r, m0, b0);
-            with_rows(std::integral_constant<int, 2>{}, r, m0, b0 + 2);
-          } else {
-            for (int t = 0; t < nt; ++t) with_rows(std::integral_constant<int, 1>{}, r, m0, b0 + t);
-          }
+  dynamic_for(runs, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t run = r0; run < r1; ++run) {
+      const int64_t b0 = run * NT;
+      const int nt = int(std::min<int64_t>(NT, blocks - b0));
+      for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+        const int r = int(std::min<int64_t>(MR_MAX, M - m0));
+        if (nt == NT && r <= 2) {
+          with_rows(std::integral_constant<int, 4>{}, r, m0, b0);
+        } else if (nt == NT) {
+          with_rows(std::integral_constant<int, 2>{}, r, m0, b0);
+          with_rows(std::integral_constant<int, 2>{}, r, m0, b0 + 2);
+        } else {
+          for (int t = 0; t < nt; ++t) with_rows(std::integral_constant<int, 1>{}, r, m0, b0 + t);
         }
       }
     }

@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "parallel.h"
 #include "vec.h"
 
 namespace ff {
@@ -108,7 +109,7 @@ void linear_impl(const XT* x, const uint16_t* w, const float* bias, YT* y, int64
   const int64_t width = int64_t(M == 1 ? NV_ONE : NV) * VL;
   const int64_t groups = (padded + width - 1) / width;
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / (K * width));  // >= 64 KiB of W
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+  dynamic_for(groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t c0 = g * width;
       const int vecs = int(std::min<int64_t>(width, padded - c0) / VL);
