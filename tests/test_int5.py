@@ -51,7 +51,7 @@ def test_q5_0_weights_come_back_exactly():
     assert q.scales.dtype == torch.float16 and int(q.codes.max()) <= 31
 
 
-def test_rounding_error_is_between_int4_and_int8():
+def test_rounding_error_is_well_below_int4s():
     from fastforward.quant.rtn import dequantize_int4, quantize_int4
 
     w = _weight()
@@ -197,7 +197,7 @@ def test_mix_round_trips_through_a_checkpoint(tiny_model_dir, tmp_path):
     )
 
 
-def test_bits_per_weight_of_the_recipe():
+def test_int5_takes_five_and_a_half_bits_a_weight():
     """5.5 bits for int5 (4 + 1 + a float16 scale per 32), measured on the module's buffers."""
     m = Int5Linear(quantize_int5(_weight()))
     nbytes = sum(b.numel() * b.element_size() for b in m.buffers())
