@@ -81,6 +81,57 @@ def _train_tokenizer(directory: Path) -> int:
     return tok.get_vocab_size()
 
 
+def write_tiny_gguf(path, hf_model, types, tokenizer_dir: Path | None = None) -> None:
+    """The tiny Qwen2 model as a GGUF file with block-quantized projections (``types``: a
+    GGUF tensor name part -> its gguf.GGMLQuantizationType), and with ``tokenizer_dir``'s
+    byte-level BPE (tiny_model_dir) as the file's gpt2 tokenizer, so the engine can load it."""
+    from gguf import GGUFWriter
+    from gguf.quants import quantize as gguf_quantize
+
+    cfg = hf_model.config
+    writer = GGUFWriter(str(path), "qwen2")
+    writer.add_uint32("qwen2.embedding_length", cfg.hidden_size)
+    writer.add_uint32("qwen2.feed_forward_length", cfg.intermediate_size)
+    writer.add_uint32("qwen2.block_count", cfg.num_hidden_layers)
+    writer.add_uint32("qwen2.attention.head_count", cfg.num_attention_heads)
+    writer.add_uint32("qwen2.attention.head_count_kv", cfg.num_key_value_heads)
+    writer.add_float32("qwen2.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_uint32("qwen2.context_length", cfg.max_position_embeddings)
+    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    writer.add_float32("qwen2.rope.freq_base", float(theta))
+    if tokenizer_dir is not None:
+        bpe = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]
+        vocab = sorted(bpe["vocab"].items(), key=lambda kv: kv[1])
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list([t for t, _ in vocab])
+        writer.add_token_types([3 if t.startswith("<") else 1 for t, _ in vocab])
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(1)
+        writer.add_add_bos_token(False)
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    names |= {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for hf_name, t in hf_model.state_dict().items():
+        name = hf_name.replace("model.embed_tokens", "token_embd").replace("lm_head", "output")
+        name = name.replace("model.norm", "output_norm").replace("model.layers.", "blk.")
+        for hf, gg in names.items():
+            name = name.replace(f".self_attn.{hf}.", f".{gg}.").replace(f".mlp.{hf}.", f".{gg}.")
+            name = name.replace(f".{hf}.", f".{gg}.")
+        data = t.float().numpy()
+        kind = next(
+            (q for key, q in types.items() if key in name and name.endswith("weight")), None
+        )
+        if kind is None or data.ndim != 2:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, gguf_quantize(data, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 COLLECT_ABOVE_BYTES = 3 << 30
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import write_tiny_gguf
 
 from fastforward import LLM, SamplingParams, kernels
 from fastforward.kernels.decoder import FusedDecoder
@@ -82,6 +83,29 @@ def test_fused_stack_runs_quantized_layers(tiny_model_dir, arch, method, count_f
     assert fused_llm.engine.model.fused_decoder is not None, fused_llm.engine.runner.fused_reason
     assert count_fused_calls
     _, plain = _run(directory, False, quantization=method, kernels="native")
+    assert fused == plain
+
+
+@needs_vnni
+def test_fused_stack_runs_gguf_blocks(tiny_model_dir, tmp_path, count_fused_calls):
+    """A GGUF file's blocks kept packed (gguf format): 4-bit, 5-bit and int8-group (Q8_0)
+    layers, alone and side by side in a ConcatLinear, through the stack as through the
+    modules."""
+    from gguf import GGMLQuantizationType as QT
+
+    from fastforward.quant.int8 import Int8GroupLinear
+
+    directory, hf_model = tiny_model_dir("qwen2")
+    types = {"attn_q": QT.Q4_0, "attn_k": QT.Q5_0, "attn_v": QT.Q8_0, "attn_output": QT.Q5_0}
+    types |= {"ffn_gate": QT.Q5_0, "ffn_up": QT.Q4_1, "ffn_down": QT.Q8_0, "output": QT.Q8_0}
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, hf_model, types, tokenizer_dir=directory)
+    fused_llm, fused = _run(path, True, quantization="gguf", kernels="native")
+    assert fused_llm.engine.model.fused_decoder is not None, fused_llm.engine.runner.fused_reason
+    down = fused_llm.engine.model.layers[0].mlp.down_proj
+    assert isinstance(down, Int8GroupLinear) and down.native
+    assert count_fused_calls
+    _, plain = _run(path, False, quantization="gguf", kernels="native")
     assert fused == plain
 
 

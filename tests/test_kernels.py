@@ -284,6 +284,46 @@ def _q4_case(m, n, k, group, zeros, levels):
     return x, packed, sz, table, w
 
 
+@pytest.mark.parametrize(("n", "k", "group"), [(48, 128, 32), (96, 384, 64), (16, 64, 4)])
+@pytest.mark.parametrize("zeros", [True, False])
+@pytest.mark.parametrize("levels", ["int4", "centroids"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_q4_expands_the_weight(n, k, group, zeros, levels, dtype):
+    """linear_q4's layout expanded to the dense weight of large batches: table[code] * s (+ z)
+    in float32, rounded once for a bf16 output; an output of the wrong shape or dtype is
+    refused."""
+    _, packed, sz, table, w = _q4_case(1, n, k, group, zeros, levels)
+    out = torch.empty(n, k, dtype=dtype)
+    kernels.ops().dequantize_q4(packed, sz, table, out)
+    tol = 2**-8 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(out.double(), w, rtol=tol, atol=tol * w.abs().max())
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.ops().dequantize_q4(packed, sz, table, torch.empty(n, k, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.ops().dequantize_q4(packed, sz, table, torch.empty(n + 16, k))
+
+
+@needs_int4
+@pytest.mark.parametrize("expand", [torch.float32, torch.bfloat16])
+def test_int4_batches_above_the_kernel_rows_expand_the_weight(expand):
+    """Past native_rows_max (on CPUs with native bf16 but no AMX; lowered here) an Int4Linear on
+    the native layout expands its weight with dequantize_q4 for one dense matmul: the same
+    product as the kernel's, to bf16 rounding."""
+    from fastforward.quant.int4 import Int4Linear
+    from fastforward.quant.rtn import quantize_int4
+
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(11)) * 0.05
+    module = Int4Linear(quantize_int4(w, 32))
+    module.use_native_kernel()
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    kernel = module(x).float()
+    module.native_rows_max, module.expand_dtype = 4, expand
+    dense = module(x).float()
+    expected = x.float() @ module.dequantize().t()
+    for got in (kernel, dense):
+        torch.testing.assert_close(got, expected, atol=1e-2 * expected.abs().max(), rtol=0)
+
+
 @needs_amx
 @pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 576, 576, 32), (16, 48, 128, 128),
                          (70, 80, 36, 4), (64, 1536, 576, 32), (600, 96, 384, 64)])  # fmt: skip
@@ -337,6 +377,37 @@ def test_linear_i8_rows_matches_the_int8_weight(m, n, k):
         ops.linear_i8_rows(x, blocks, scales.float())
     with pytest.raises(RuntimeError, match="features"):
         ops.linear_i8_rows(x[:, :32], blocks, scales)
+
+
+@needs_int8_rows
+@pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 64, 64, 32), (2, 4096, 576, 32),
+                         (3, 48, 96, 16), (4, 32, 36, 2), (7, 80, 64, 32), (16, 48, 96, 16)])  # fmt: skip
+def test_linear_i8g_rows_matches_the_group_scaled_weight(m, n, k, group):
+    """int8 codes with group scales (GGUF Q8_0/Q6_K) for few rows, the path of CPUs with
+    AVX512-VNNI but no AMX: exact integer products of the codes with each row held as int16
+    per group, against a float64 matmul of the unrounded weight; each row independent of the
+    batch around it; a 3-d x keeps its leading shape; bad input is refused."""
+    gen = torch.Generator().manual_seed(m * n + k)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=gen) * 0.01
+    blocks = codes.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+    block_scales = scales.view(n // 16, 16, -1).transpose(1, 2).contiguous()
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    ops = kernels.ops()
+    y = ops.linear_i8g_rows(x, blocks, block_scales, group)
+    w = (codes.double().view(n, -1, group) * scales.double()[..., None]).view(n, k)
+    ref = x.double() @ w.t()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-4 * ref.abs().max())
+    assert torch.equal(ops.linear_i8g_rows(x[m - 1 :], blocks, block_scales, group), y[m - 1 :])
+    got = ops.linear_i8g_rows(x.view(1, m, k), blocks, block_scales, group)
+    assert torch.equal(got, y.view(1, m, n))
+    with pytest.raises(RuntimeError, match="group size"):
+        ops.linear_i8g_rows(x, blocks, block_scales, 3)
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.linear_i8g_rows(x, blocks, block_scales.half(), group)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.linear_i8g_rows(x[:, 1:], blocks, block_scales, group)
 
 
 @needs_amx

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import write_tiny_gguf
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
@@ -74,7 +75,7 @@ def _modules() -> dict[str, QuantizedLinear]:
         native = copy.deepcopy(modules["int5"])
         native.use_native_kernel()
         modules["int5-native"] = native
-    if _amx():  # int8 groups (GGUF Q8_0/Q5_0/Q6_K) have a native kernel on AMX tiles only
+        # int8 groups (GGUF Q8_0/Q6_K): linear_i8g_amx on AMX, linear_i8g_rows on VNNI alone
         native = copy.deepcopy(modules["int8-group16"])
         native.use_native_kernel()
         modules["int8-group16-native"] = native
@@ -92,8 +93,9 @@ def _amx() -> bool:
 @pytest.mark.parametrize("rows", [1, 3, "dense"])  # the packed kernel and the dense path
 def test_quantized_matmul_equals_dequantize_then_matmul(name, rows):
     module = _modules()[name]
-    # past the packed kernel's rows: the dense path; 4-bit layers on linear_q4 have none on an
-    # AMX CPU (every batch takes its AMX tiles), so there 259 rows go through those
+    # past the packed kernel's rows: the dense path; layers on fastforward's kernels have none
+    # on an AMX CPU (4-bit: every batch takes its AMX tiles) or one without native bf16 (the
+    # integer kernels take every batch), so there 259 rows go through those
     rows = min(module.kernel_rows_max, 256) + 3 if rows == "dense" else rows
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     expected = x.float() @ module.dequantize().t()
@@ -217,44 +219,6 @@ def test_gguf_blocks_of_real_values_are_bit_exact(qtype):
     assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32))
 
 
-def _write_tiny_gguf(path, hf_model, types: dict[str, QT]) -> None:
-    """The tiny Qwen2 model as a GGUF file with block-quantized projections."""
-    from gguf import GGUFWriter
-
-    cfg = hf_model.config
-    writer = GGUFWriter(str(path), "qwen2")
-    writer.add_uint32("qwen2.embedding_length", cfg.hidden_size)
-    writer.add_uint32("qwen2.feed_forward_length", cfg.intermediate_size)
-    writer.add_uint32("qwen2.block_count", cfg.num_hidden_layers)
-    writer.add_uint32("qwen2.attention.head_count", cfg.num_attention_heads)
-    writer.add_uint32("qwen2.attention.head_count_kv", cfg.num_key_value_heads)
-    writer.add_float32("qwen2.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    writer.add_uint32("qwen2.context_length", cfg.max_position_embeddings)
-    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
-    writer.add_float32("qwen2.rope.freq_base", float(theta))
-    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
-    names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
-    names |= {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    for hf_name, t in hf_model.state_dict().items():
-        name = hf_name.replace("model.embed_tokens", "token_embd").replace("lm_head", "output")
-        name = name.replace("model.norm", "output_norm").replace("model.layers.", "blk.")
-        for hf, gg in names.items():
-            name = name.replace(f".self_attn.{hf}.", f".{gg}.").replace(f".mlp.{hf}.", f".{gg}.")
-            name = name.replace(f".{hf}.", f".{gg}.")
-        data = t.float().numpy()
-        kind = next(
-            (q for key, q in types.items() if key in name and name.endswith("weight")), None
-        )
-        if kind is None or data.ndim != 2:
-            writer.add_tensor(name, data)
-        else:
-            writer.add_tensor(name, gguf_quantize(data, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_gguf_blocks_load_packed(tiny_model_dir, tmp_path):
     """A GGUF file's blocks go into packed modules (mixed types in one fused layer become a
     ConcatLinear; Q5_0 keeps its 5-bit codes) and compute what the dequantized float model
@@ -264,7 +228,7 @@ def test_gguf_blocks_load_packed(tiny_model_dir, tmp_path):
     types |= {"ffn_gate": QT.Q8_0, "ffn_up": QT.Q5_0, "ffn_down": QT.Q4_1, "token_embd": QT.Q8_0}
     types |= {"output": QT.Q4_0}
     path = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(path, hf_model, types)
+    write_tiny_gguf(path, hf_model, types)
     ckpt = GGUFCheckpoint(path)
     config = model_config_from_dict(ckpt.hf_config())
     with torch.device("meta"):

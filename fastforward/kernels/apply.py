@@ -18,7 +18,7 @@ from fastforward.layers.rotary import RotaryEmbedding
 from fastforward.quant.base import QuantizedLinear
 from fastforward.quant.int4 import Int4Linear
 from fastforward.quant.int5 import Int5Linear
-from fastforward.quant.int8 import Int8Linear
+from fastforward.quant.int8 import Int8GroupLinear, Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +100,15 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
     ``PackedLinear``; 16-centroid codebook layers move onto ``linear_q4`` where the CPU has
     AVX512-BF16, int4 layers where it has AVX512-VNNI (the int4 table's integer path), int5
     layers onto ``linear_q5`` and int8 ones onto ``linear_i8_rows`` where it has AVX512-VNNI,
-    int8-group layers (GGUF Q8_0/Q6_K) onto ``linear_i8g_amx`` where it has AMX."""
+    int8-group layers (GGUF Q8_0/Q6_K) onto ``linear_i8g_amx`` where it has AMX and onto
+    ``linear_i8g_rows`` (few rows) where it has only AVX512-VNNI."""
     report = KernelReport("native")
     q4 = kernels.ops().linear_q4_native()
     # quantized weights compute in bf16 whatever the engine dtype (quant/base.py); the formats
-    # move where the CPU has AVX512-BF16, int4, int5 and int8 also where it has only AVX512-VNNI
-    # (integer dot products; they check for it)
+    # move where the CPU has AVX512-BF16, int4, int5 and the int8 formats also where it has
+    # only AVX512-VNNI (integer dot products; they check for it)
     for name, module in model.named_modules():
-        if isinstance(module, Int4Linear | Int5Linear | Int8Linear) or (
+        if isinstance(module, Int4Linear | Int5Linear | Int8Linear | Int8GroupLinear) or (
             q4 and isinstance(module, QuantizedLinear)
         ):
             module.use_native_kernel()

@@ -32,7 +32,7 @@ SOURCES = (
     "decoder.cpp",
     "ops.cpp",
 )
-HEADERS = ("vec.h", "ops.h", "amx.h", "int16_rows.h", "parallel.h")
+HEADERS = ("vec.h", "ops.h", "amx.h", "int16_rows.h", "parallel.h", "expand.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG")
 CSRC = Path(__file__).parent / "csrc"
 

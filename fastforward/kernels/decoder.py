@@ -26,10 +26,10 @@ from fastforward.quant.base import ConcatLinear
 from fastforward.quant.codebook import CodebookLinear
 from fastforward.quant.int4 import Int4Linear
 from fastforward.quant.int5 import Int5Linear
-from fastforward.quant.int8 import Int8Linear
+from fastforward.quant.int8 import Int8GroupLinear, Int8Linear
 
 # csrc/decoder.cpp LinearKind (kConcat comes from add_concat)
-LINEAR_BF16, LINEAR_Q4, LINEAR_INT8, LINEAR_DENSE, LINEAR_Q5 = 0, 1, 2, 3, 4
+LINEAR_BF16, LINEAR_Q4, LINEAR_INT8, LINEAR_DENSE, LINEAR_Q5, LINEAR_I8G = 0, 1, 2, 3, 4, 6
 NO_LIMIT = 1 << 62
 
 
@@ -213,6 +213,12 @@ def _add_linear(stack: Any, lin: nn.Module) -> tuple[int, int] | None:
         if any(a is None for a in added):
             return None
         return stack.add_concat([i for i, _ in added], bias), min(r for _, r in added)
+    if isinstance(lin, Int8GroupLinear) and lin.native:  # codes, scales in blocks of 16 rows
+        index = stack.add_linear(
+            LINEAR_I8G, lin.codes, lin.scales, None, lin.out_features, lin.group_size,
+            lin.kernel_rows_max, bias,
+        )  # fmt: skip
+        return index, lin.kernel_rows_max
     if type(lin) is Int8Linear:  # ATen's layout, or linear_i8_rows' blocks (lin.native)
         index = stack.add_linear(
             LINEAR_INT8, lin.codes, lin.scales, None, lin.out_features, 0,

@@ -38,11 +38,13 @@ class Int4Linear(QuantizedLinear):
         sz = torch.stack((q.scales, q.zeros), dim=-1).to(KERNEL_DTYPE)  # [N, K/g, 2]
         self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous())  # [K/g, N, 2]
         self.register_buffer("levels", None)
+        self.expand_dtype = KERNEL_DTYPE  # native: large batches' dense weight (dequantize_q4)
 
     def use_native_kernel(self) -> None:
         """Repack the same codes, scales and zeros for ``torch.ops.fastforward.linear_q4`` (the
         int4 table's integer path: CPUs with AVX512-VNNI)."""
         from fastforward import kernels
+        from fastforward.kernels.apply import cpu_has_native_bf16
 
         if self.native or not kernels.ops().int8_rows_native():
             return
@@ -52,6 +54,7 @@ class Int4Linear(QuantizedLinear):
         self.levels = (torch.arange(16) - 8).to(KERNEL_DTYPE)
         self.native = True
         self.native_rows_max = q4pack.kernel_rows_max(type(self).native_rows_max)
+        self.expand_dtype = KERNEL_DTYPE if cpu_has_native_bf16() else torch.float32
 
     @property
     def kernel_rows_max(self) -> int:
@@ -66,7 +69,14 @@ class Int4Linear(QuantizedLinear):
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.packed, self.group_size, self.scales_and_zeros
             )
-        return F.linear(x, self.dense_bf16())
+        if not self.native:
+            return F.linear(x, self.dense_bf16())
+        # one expansion in C++ per call (dense_bf16's PyTorch ops took 86 ms for Qwen2.5-0.5B's
+        # gate/up, dequantize_q4 10 ms), in float32 where the CPU has no native bf16 matmul
+        # (there few_row_kernel_limit keeps every batch on linear_q4 unless lowered)
+        w = torch.empty(self.out_features, self.in_features, dtype=self.expand_dtype)
+        torch.ops.fastforward.dequantize_q4(self.packed, self.scales_and_zeros, self.levels, w)
+        return F.linear(x.to(w.dtype), w).to(x.dtype)
 
     def unpacked_codes(self) -> torch.Tensor:
         """``[N, K]`` uint8 codes in 0..15."""

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fastforward.quant import q4pack
-from fastforward.quant.base import QuantizedLinear
+from fastforward.quant.base import QuantizedLinear, few_row_kernel_limit
 from fastforward.quant.rtn import KERNEL_DTYPE
 
 TILE = q4pack.TILE
@@ -136,15 +136,14 @@ class Int5Linear(QuantizedLinear):
     """5-bit group-wise weights (``Int5Weights``) kept packed. Once the engine switches to
     fastforward's kernels, batches of up to ``native_rows_max`` rows run ``linear_q5`` (CPUs with
     AVX512-VNNI) and larger ones a dense matmul on the weight expanded per call by
-    ``dequantize_q5``: in bf16 where the CPU multiplies bf16 natively, else in float32. Without
+    ``dequantize_q5`` in bf16, where the CPU multiplies bf16 natively; where it does not, the
+    kernel takes every batch (float32 expansion only if ``native_rows_max`` is lowered). Without
     the kernels, every batch takes the dense bf16 matmul on the weight unpacked in PyTorch."""
 
     format = "int5"
-    native_rows_max = 16  # with native bf16 (not measured: the AVX512-VNNI int8 kernels' figure)
-    # Without native bf16 the kernel beats the expansion + float32 matmul up to 512 rows: Qwen2.5's
-    # layer shapes x 6 (90 M weights), 2 threads, Xeon without AVX512-BF16: 64 rows 63 against
-    # 209 ms, 256 rows 201 / 407, 512 rows 422 / 495 (a throwaway timing script).
-    rows_max_fp32_cpu = 512
+    # with native bf16 (not measured: the AVX512-VNNI int8 kernels' figure); without, every
+    # batch (base.few_row_kernel_limit)
+    native_rows_max = 16
 
     def __init__(self, q: Int5Weights, bias=None, out_sizes=None) -> None:
         n, k = q.codes.shape
@@ -166,8 +165,7 @@ class Int5Linear(QuantizedLinear):
         self.native = bool(kernels.ops().int8_rows_native())
         native_bf16 = cpu_has_native_bf16()
         self.expand_dtype = KERNEL_DTYPE if native_bf16 else torch.float32
-        if not native_bf16:
-            self.native_rows_max = self.rows_max_fp32_cpu
+        self.native_rows_max = few_row_kernel_limit(type(self).native_rows_max)
 
     @property
     def kernel_rows_max(self) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fastforward.quant.base import QuantizedLinear
+from fastforward.quant.base import EVERY_BATCH, QuantizedLinear, few_row_kernel_limit
 from fastforward.quant.rtn import KERNEL_DTYPE, Int8Weights
 
 
@@ -58,6 +58,7 @@ class Int8Linear(QuantizedLinear):
             return
         self.codes = to_blocks(self.codes)
         self.native = True
+        self.native_rows_max = few_row_kernel_limit(type(self).native_rows_max)
 
     @property
     def kernel_rows_max(self) -> int:
@@ -106,6 +107,7 @@ class Int8GroupLinear(QuantizedLinear):
     is exact (Q8_0, Q5_0), else float32 (Q6_K: fp16 * int8 products)."""
 
     format = "int8_group"
+    native_rows_max = 16  # linear_i8g_rows (csrc/ops.h kI8gRowsMax)
 
     def __init__(
         self, codes: torch.Tensor, scales: torch.Tensor, bias=None, out_sizes=None
@@ -116,7 +118,8 @@ class Int8GroupLinear(QuantizedLinear):
         half = scales.to(torch.float16)
         exact = torch.equal(half.float(), scales.float())
         self.scale_dtype = torch.float16 if exact else torch.float32  # what checkpoints store
-        self.native = False  # codes and scales in linear_i8g_amx's layout (AMX CPUs)
+        self.native = False  # codes and scales in linear_i8g_amx's (and _rows') layout
+        self.amx = False  # native on AMX tiles (every batch); else linear_i8g_rows (few rows)
         g = self.group_size
         # group-major [B, N, g] so each group's codes are one contiguous matrix for bmm
         self.register_buffer("codes", codes.view(n, k // g, g).transpose(0, 1).contiguous())
@@ -125,22 +128,31 @@ class Int8GroupLinear(QuantizedLinear):
         self.register_buffer("_ones", torch.ones(n, dtype=KERNEL_DTYPE), persistent=False)
 
     def use_native_kernel(self) -> None:
-        """On an AMX CPU, repack the same codes and scales for
-        ``torch.ops.fastforward.linear_i8g_amx``, which expands them to bf16 tiles once per
-        call: faster than the per-group ATen calls at every batch size (Q8_0 [49152, 576], 2
-        threads: 1 row 3.0 -> 1.7 ms, 64 rows 120 -> 3.2). Up to 16 rows the op multiplies the
-        codes in place instead (``linear_i8g.cpp``: int16 rows, AVX512-VNNI; from memory 1 row
-        3.3 -> 1.3 ms)."""
+        """Repack the same codes and scales in blocks of 16 rows for fastforward's kernels. On
+        an AMX CPU ``torch.ops.fastforward.linear_i8g_amx`` expands them to bf16 tiles once
+        per call: faster than the per-group ATen calls at every batch size (Q8_0 [49152, 576],
+        2 threads: 1 row 3.0 -> 1.7 ms, 64 rows 120 -> 3.2). Up to 16 rows the codes are
+        multiplied in place instead (``linear_i8g_rows``: int16 rows, AVX512-VNNI; from memory
+        1 row 3.3 -> 1.3 ms), which is all a CPU with AVX512-VNNI but no AMX gets: larger
+        batches multiply the dequantized bf16 weight there."""
         from fastforward import kernels
 
         n, g = self.out_features, self.group_size
-        if self.native or n % 16 or g % 2 or not kernels.ops().amx_native():
+        ops = kernels.ops()
+        if self.native or n % 16 or g % 2 or not ops.int8_rows_native():
             return
         codes, scales = self._plain()
         self.codes = to_blocks(codes)
         self.scales = scales.float().view(n // 16, 16, -1).transpose(1, 2).contiguous()
         self._ones = None
         self.native = True
+        self.amx = bool(ops.amx_native())
+        rows = type(self).native_rows_max
+        self.native_rows_max = EVERY_BATCH if self.amx else few_row_kernel_limit(rows)
+
+    @property
+    def kernel_rows_max(self) -> int:
+        return self.native_rows_max if self.native else self.packed_rows_max
 
     def _plain(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes ``[R, K]`` int8 and scales ``[R, K/g]`` (as stored) of all rows or rows
@@ -154,12 +166,14 @@ class Int8GroupLinear(QuantizedLinear):
         return codes.transpose(0, 1).reshape(codes.shape[1], k), scales.squeeze(-1).t()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native:
-            return torch.ops.fastforward.linear_i8g_amx(x, self.codes, self.scales, self.group_size)
         m = x.shape[0]
-        b, g = self.codes.shape[0], self.group_size
-        if m > self.packed_rows_max:
+        if m > self.kernel_rows_max:
             return F.linear(x, self.dense_bf16())
+        if self.native:
+            op = torch.ops.fastforward
+            kernel = op.linear_i8g_amx if self.amx else op.linear_i8g_rows
+            return kernel(x, self.codes, self.scales, self.group_size)
+        b, g = self.codes.shape[0], self.group_size
         if b <= _MAX_KERNEL_CALLS:
             xg = x.view(m, b, g).transpose(0, 1).contiguous()  # [B, M, g]
             # one int8 kernel call per group (unit scales), scaled and summed in float32

@@ -18,15 +18,16 @@ TILE = 16
 # once per call (csrc/linear_amx.cpp linear_q4_amx), which beats dequantizing the whole weight
 # for oneDNN at every batch size measured (SmolLM2's [3072, 576] gate/up at 2,048 rows: 4.3 ms
 # against 6.0 ms, at 256 rows 0.5 against 2.2): there 4-bit layers take every batch.
-ROWS_MAX_AMX = 1 << 62
 
 
 def kernel_rows_max(without_amx: int) -> int:
     """The largest batch a layer should give linear_q4 (call with the kernels loaded): every
-    batch on an AMX CPU, else ``without_amx`` (its cost grows with the rows there)."""
+    batch on an AMX CPU, else ``without_amx`` where the CPU has native bf16 (the kernel's cost
+    grows with the rows there) and every batch where it has not (``few_row_kernel_limit``)."""
     from fastforward import kernels
+    from fastforward.quant.base import EVERY_BATCH, few_row_kernel_limit
 
-    return ROWS_MAX_AMX if kernels.ops().amx_native() else without_amx
+    return EVERY_BATCH if kernels.ops().amx_native() else few_row_kernel_limit(without_amx)
 
 
 def shape_ok(out_features: int, in_features: int, group_size: int) -> bool:

@@ -24,6 +24,7 @@ enum LinearKind : int64_t {
   kDense = 3,  // a plain weight in the activations' dtype (nn.Linear: float32 engines)
   kQ5 = 4,     // 5-bit codes, float16 group scales (quant/int5.py Int5Linear)
   kConcat = 5,  // parts side by side, one bias (quant/base.py ConcatLinear; add_concat)
+  kI8G = 6,     // int8 codes, float32 scales per group of inputs (quant/int8.py Int8GroupLinear)
 };
 
 // x @ W^T through oneDNN with W already in its blocked layout (mkldnn::_reorder_linear_weight,
@@ -79,6 +80,8 @@ struct Linear {
     const auto xb = x.to(at::kBFloat16).contiguous();
     auto y = kind == kQ4      ? linear_q4(xb, w, aux, table, group)
              : kind == kQ5    ? linear_q5(xb, w, aux, group)
+             : kind == kI8G   ? (amx_native() ? linear_i8g_amx(xb, w, aux, group)
+                                              : linear_i8g_rows(xb, w, aux, group))
              : w.dim() == 4 ? linear_i8_rows(xb, w, aux)  // codes in blocks of 16 rows
                             : at::_weight_int8pack_mm(xb, w, aux);
     y = y.to(x.scalar_type());
@@ -113,7 +116,7 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t add_linear(int64_t kind, at::Tensor w, std::optional<at::Tensor> aux,
                      std::optional<at::Tensor> table, int64_t n, int64_t group,
                      int64_t rows_max, std::optional<at::Tensor> bias) {
-    TORCH_CHECK(kind >= kBf16 && kind <= kQ5, "unknown linear kind ", kind);
+    TORCH_CHECK(kind >= kBf16 && kind <= kI8G && kind != kConcat, "unknown linear kind ", kind);
     TORCH_CHECK(kind == kBf16 || kind == kDense || aux.has_value(), "quantized linear needs its scales");
     TORCH_CHECK(kind != kQ4 || table.has_value(), "4-bit linear needs its table");
     Linear l;

@@ -424,25 +424,11 @@ at::Tensor linear_i8g_amx(const at::Tensor& x, const at::Tensor& codes, const at
                           int64_t group_size) {
 #ifdef FF_AMX
   TORCH_CHECK(amx::permitted(), "linear_i8g_amx: the CPU or the kernel does not allow AMX");
-  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == TN && codes.size(3) == 2 &&
-                  codes.scalar_type() == at::kChar && codes.is_contiguous(),
-              "codes must be a contiguous [N/16, K/2, 16, 2] int8 tensor");
+  check_i8g(x, codes, scales, group_size);
   const int64_t nb = codes.size(0), pairs = codes.size(1), K = pairs * 2;
-  TORCH_CHECK(group_size >= 2 && group_size % 2 == 0 && K % group_size == 0, "group size ",
-              group_size, " must be even and divide K=", K);
   const int64_t G = K / group_size, kc = (K + TK - 1) / TK;
-  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == nb && scales.size(1) == G &&
-                  scales.size(2) == TN && scales.scalar_type() == at::kFloat &&
-                  scales.is_contiguous(),
-              "scales must be a contiguous [N/16, K/group, 16] float32 tensor");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K,
-              " features");
-  if (x.numel() <= kI8gRowsMax * K && int8_rows_native()) {
-    auto y = linear_i8g_rows(x.reshape({-1, K}).contiguous(), codes, scales, group_size);
-    auto sizes = x.sizes().vec();
-    sizes.back() = nb * TN;
-    return y.view(sizes);
-  }
+  if (x.numel() <= kI8gRowsMax * K && int8_rows_native())
+    return linear_i8g_rows(x, codes, scales, group_size);
   const auto* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   auto y = expanded_linear(x.reshape({-1, K}), nb, [&](int64_t b, uint16_t* dst) {

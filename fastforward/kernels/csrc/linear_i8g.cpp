@@ -119,15 +119,36 @@ bool int8_rows_native() {
 #endif
 }
 
-// x [M, K] bf16, codes and scales as linear_i8g_amx (checked there). Rows go 4 at a time over
-// each block's codes, so the cost grows with the rows (linear_i8g_amx hands over up to
-// kI8gRowsMax).
+void check_i8g(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+               int64_t group_size) {
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == TN_ROWS && codes.size(3) == 2 &&
+                  codes.scalar_type() == at::kChar && codes.is_contiguous(),
+              "codes must be a contiguous [N/16, K/2, 16, 2] int8 tensor");
+  const int64_t nb = codes.size(0), K = codes.size(1) * 2;
+  TORCH_CHECK(group_size >= 2 && group_size % 2 == 0 && K % group_size == 0, "group size ",
+              group_size, " must be even and divide K=", K);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == nb && scales.size(1) == K / group_size &&
+                  scales.size(2) == TN_ROWS && scales.scalar_type() == at::kFloat &&
+                  scales.is_contiguous(),
+              "scales must be a contiguous [N/16, K/group, 16] float32 tensor");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K,
+              " features");
+}
+
+// x [.., K] bf16, codes and scales as linear_i8g_amx. Rows go 4 at a time over each block's
+// codes, so the cost grows with the rows: meant for up to kI8gRowsMax (linear_i8g_amx hands
+// those over; on CPUs without AMX Int8GroupLinear calls this directly for few rows).
 at::Tensor linear_i8g_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                            int64_t group_size) {
+  check_i8g(x, codes, scales, group_size);
 #ifdef FF_INT16_ROWS
-  return run_rows<false>(x, codes, scales.data_ptr<float>(), nullptr, group_size);
+  const int64_t K = x.size(-1);
+  auto y = run_rows<false>(x.reshape({-1, K}).contiguous(), codes, scales.data_ptr<float>(),
+                           nullptr, group_size);
+  auto sizes = x.sizes().vec();
+  sizes.back() = codes.size(0) * TN_ROWS;
+  return y.view(sizes);
 #else
-  (void)codes, (void)scales, (void)group_size;
   TORCH_CHECK(false, "linear_i8g_rows needs AVX512-VNNI");
 #endif
 }

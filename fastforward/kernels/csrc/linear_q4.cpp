@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "expand.h"
 #include "int16_rows.h"
 #include "ops.h"
 #include "vec.h"
@@ -261,6 +262,35 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
   });
 #endif
   return y.view(out_sizes);
+}
+
+// The weight [N, K] as float32 or bf16 (out's dtype, written here): w = table[code] * s (+ z),
+// for the dense matmul of large batches on CPUs where linear_q4_amx does not take them (one
+// expansion per call serves every row; in float32 where the CPU has no native bf16 matmul).
+void dequantize_q4(const at::Tensor& wq, const at::Tensor& sz, const at::Tensor& table,
+                   at::Tensor& out) {
+  constexpr int64_t T = 16, Q = 32;  // outputs per tile, bytes per tile and input quad
+  const int64_t tiles = wq.size(0), quads = wq.size(1), K = quads * 4;
+  TORCH_CHECK(sz.dim() == 4 && sz.size(1) > 0 && K % sz.size(1) == 0,
+              "scales must be [N/16, K/group, 1 or 2, 16]");
+  const int64_t G = sz.size(1), group_size = K / G, C = sz.size(2);
+  check_linear_q4(at::empty({0, K}, at::kBFloat16), wq, sz, table, group_size);
+  const auto tc = table.contiguous();
+  float tab[16];
+  const auto* tp = reinterpret_cast<const uint16_t*>(tc.data_ptr());
+  for (int c = 0; c < 16; ++c) tab[c] = bf16_to_float(tp[c]);
+  const auto* wp = wq.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
+  expand_tiles(out, tiles, K, [&](int64_t t, int i, float* row) {
+    for (int64_t q = 0; q < quads; ++q) {
+      const uint8_t* b = wp + (t * quads + q) * Q + 2 * i;
+      const uint16_t* st = sp + (t * G + 4 * q / group_size) * C * T + i;
+      const float s = bf16_to_float(st[0]), z = C == 2 ? bf16_to_float(st[T]) : 0.f;
+      float* r = row + 4 * q;
+      r[0] = tab[b[0] & 15] * s + z, r[1] = tab[b[1] & 15] * s + z;
+      r[2] = tab[b[0] >> 4] * s + z, r[3] = tab[b[1] >> 4] * s + z;
+    }
+  });
 }
 
 }  // namespace ff

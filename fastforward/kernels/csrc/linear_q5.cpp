@@ -19,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "expand.h"
 #include "int16_rows.h"
 #include "ops.h"
 
@@ -125,39 +126,23 @@ void dequantize_q5(const at::Tensor& codes, const at::Tensor& scales, at::Tensor
               "scales must be [N/16, K/group, 16]");
   const int64_t G = scales.size(1), group_size = K / G;
   check_q5(codes, scales, group_size);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == tiles * 16 && out.size(1) == K &&
-                  out.is_contiguous() &&
-                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
-              "out must be a contiguous [N, K] float32 or bf16 tensor");
   const auto* wp = codes.data_ptr<uint8_t>();
   const auto* sp = scales.data_ptr<at::Half>();
-  const bool bf16 = out.scalar_type() == at::kBFloat16;
-  auto* of = bf16 ? nullptr : out.data_ptr<float>();
-  auto* ob = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> row(K);
-    for (int64_t t = t0; t < t1; ++t)
-      for (int i = 0; i < 16; ++i) {
-        for (int64_t q = 0; q < quads; ++q) {
-          const uint8_t* quad = wp + (t * quads + q) * QUAD_BYTES_Q5;
-          const uint8_t* b = quad + 2 * i;
-          uint64_t bits;
-          std::memcpy(&bits, quad + 32, 8);
-          const float s = float(sp[(t * G + 4 * q / group_size) * 16 + i]);
-          const int c0 = (b[0] & 15) | int((bits >> (2 * i)) & 1) << 4;
-          const int c1 = (b[1] & 15) | int((bits >> (2 * i + 1)) & 1) << 4;
-          const int c2 = (b[0] >> 4) | int((bits >> (32 + 2 * i)) & 1) << 4;
-          const int c3 = (b[1] >> 4) | int((bits >> (33 + 2 * i)) & 1) << 4;
-          float* r = row.data() + 4 * q;
-          r[0] = float(c0 - 16) * s, r[1] = float(c1 - 16) * s;
-          r[2] = float(c2 - 16) * s, r[3] = float(c3 - 16) * s;
-        }
-        const int64_t n = t * 16 + i;
-        if (bf16)
-          for (int64_t k = 0; k < K; ++k) ob[n * K + k] = float_to_bf16(row[k]);
-        else
-          std::memcpy(of + n * K, row.data(), K * sizeof(float));
-      }
+  expand_tiles(out, tiles, K, [&](int64_t t, int i, float* row) {
+    for (int64_t q = 0; q < quads; ++q) {
+      const uint8_t* quad = wp + (t * quads + q) * QUAD_BYTES_Q5;
+      const uint8_t* b = quad + 2 * i;
+      uint64_t bits;
+      std::memcpy(&bits, quad + 32, 8);
+      const float s = float(sp[(t * G + 4 * q / group_size) * 16 + i]);
+      const int c0 = (b[0] & 15) | int((bits >> (2 * i)) & 1) << 4;
+      const int c1 = (b[1] & 15) | int((bits >> (2 * i + 1)) & 1) << 4;
+      const int c2 = (b[0] >> 4) | int((bits >> (32 + 2 * i)) & 1) << 4;
+      const int c3 = (b[1] >> 4) | int((bits >> (33 + 2 * i)) & 1) << 4;
+      float* r = row + 4 * q;
+      r[0] = float(c0 - 16) * s, r[1] = float(c1 - 16) * s;
+      r[2] = float(c2 - 16) * s, r[3] = float(c3 - 16) * s;
+    }
   });
 }
 

@@ -56,10 +56,15 @@ at::Tensor linear_i8g_amx(const at::Tensor& x, const at::Tensor& codes, const at
 constexpr int64_t kI8gRowsMax = 16;
 constexpr int64_t TN_ROWS = 16;  // output features per block of the int8-group layout
 bool int8_rows_native();
+// codes [N/16, K/2, 16, 2] int8, scales [N/16, K/group, 16] float32, x bf16 [.., K].
+void check_i8g(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+               int64_t group_size);
 at::Tensor linear_i8g_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                            int64_t group_size);
 at::Tensor linear_i8_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 at::Tensor linear_q5(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      int64_t group_size);
 void dequantize_q5(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out);
+void dequantize_q4(const at::Tensor& wq, const at::Tensor& sz, const at::Tensor& table,
+                   at::Tensor& out);
 }  // namespace ff
