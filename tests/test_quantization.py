@@ -343,6 +343,18 @@ def test_unknown_method_and_gguf_needs_gguf(tiny_model_dir):
         LLM(str(directory), quantization="gguf", download_progress=False)
 
 
+@pytest.mark.parametrize("arch", ["llama", "llama3-rope-tied"])
+def test_bf16_weights_count_once_on_the_native_kernels(tiny_model_dir, arch):
+    """PackedLinear's copies of a bf16 weight (and a tied output layer's, which is the
+    embedding's) are not counted again: half the float32 model's bytes, 16 bits a weight."""
+    directory, _ = tiny_model_dir(arch)
+    fp32 = weight_stats(LLM(str(directory), dtype="float32", download_progress=False).engine.model)
+    llm = LLM(str(directory), dtype="bfloat16", kernels="native", download_progress=False)
+    bf16 = weight_stats(llm.engine.model)
+    assert bf16.bits_per_weight == 16 and bf16.num_weights == fp32.num_weights
+    assert bf16.bytes * 2 == fp32.bytes
+
+
 # ---------------------------------------------------------------- CLI
 
 

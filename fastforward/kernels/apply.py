@@ -167,6 +167,7 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
             fp32_out=True,
             fp32_rows_min=fp32_rows_min,
         )
+        model.lm_head.tied = True
         if native_bf16:
             w = embed.weight.detach().to(torch.bfloat16)
             model.lm_head.dense = embed.weight

@@ -75,6 +75,7 @@ class PackedLinear(nn.Module):
         # The output projection: the packed kernel returns its fp32 accumulators, so logits
         # are not rounded to bf16 (whose steps of 1/8 at |logit| 16-32 turn near-ties exact)
         self.fp32_out = fp32_out
+        self.tied = False  # a tied output projection: its weight is the embedding's
         w = weight.detach().to(torch.bfloat16).contiguous()
         self.out_features, self.in_features = w.shape
         self.out_sizes = None if out_sizes is None else list(out_sizes)

@@ -136,7 +136,7 @@ def weight_stats(model: nn.Module) -> WeightStats:
     for m in model.modules():
         if isinstance(m, PackedLinear):
             copies.update(id(b) for b in m.buffers(recurse=False))
-            if m.dense is None:  # else its weight is a parameter (counted below)
+            if m.dense is None and not m.tied:  # else a parameter's (counted below)
                 nbytes += 2 * m.num_weights
                 count += m.num_weights
     for t in chain(model.parameters(), model.buffers()):
