@@ -134,7 +134,8 @@ class Int8GroupLinear(QuantizedLinear):
         2 threads: 1 row 3.0 -> 1.7 ms, 64 rows 120 -> 3.2). Up to 16 rows the codes are
         multiplied in place instead (``linear_i8g_rows``: int16 rows, AVX512-VNNI; from memory
         1 row 3.3 -> 1.3 ms), which is all a CPU with AVX512-VNNI but no AMX gets: larger
-        batches multiply the dequantized bf16 weight there."""
+        batches multiply the dequantized bf16 weight there, or, where the CPU has no native
+        bf16 either, stay on ``linear_i8g_rows`` (``few_row_kernel_limit``)."""
         from fastforward import kernels
 
         n, g = self.out_features, self.group_size
