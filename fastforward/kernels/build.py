@@ -5,14 +5,21 @@ under ``~/.cache/fastforward/kernels/<key>``, the key hashing the sources, the f
 version and the CPU's feature flags, so a changed source or a different CPU rebuilds. Where the
 build fails (no compiler, no ninja, a compile error) the result says why and the engine keeps
 the plain PyTorch paths.
+
+Builders take turns under an ``flock`` on the cache directory: PyTorch's own build lock is a
+file that a builder killed mid-build leaves behind, after which every later load waits for it
+forever (a CI run killed while compiling did that here). Under the ``flock`` such a file can
+only be stale, so it is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +78,21 @@ def cache_root() -> Path:
     return Path(base) / "kernels"
 
 
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Exclusive use of a build directory for this process (released when it exits, however
+    it exits); PyTorch's ``lock`` file found there then is a dead builder's, and is removed."""
+    import fcntl
+
+    with open(directory / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("removing a stale kernel build lock left by a killed build: %s", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def build_and_load(verbose: bool = False) -> KernelBuild:
     """Compile (or reuse) and load the kernels; never raises."""
     if hasattr(torch.ops.fastforward, "linear_bf16"):
@@ -81,15 +103,16 @@ def build_and_load(verbose: bool = False) -> KernelBuild:
         from torch.utils import cpp_extension
 
         directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=f"fastforward_kernels_{key}",
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=list(FLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=verbose,
-        )
+        with build_lock(directory):
+            cpp_extension.load(
+                name=f"fastforward_kernels_{key}",
+                sources=[str(CSRC / s) for s in SOURCES],
+                extra_cflags=list(FLAGS),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=verbose,
+            )
     except Exception as exc:  # no compiler, no ninja, a build error: fall back, say why
         lines = str(exc).strip().splitlines() or [""]
         first_error = next((ln for ln in lines if "error:" in ln), lines[-1])
