@@ -202,23 +202,18 @@ def _add_linear(stack: Any, lin: nn.Module) -> tuple[int, int] | None:
             lin.native_rows_max, bias,
         )  # fmt: skip
         return index, lin.native_rows_max
-    if isinstance(lin, Int5Linear) and lin.native:  # codes, scales
+    if isinstance(lin, Int5Linear | Int8GroupLinear) and lin.native:  # codes, group scales
+        kind = LINEAR_Q5 if isinstance(lin, Int5Linear) else LINEAR_I8G
         index = stack.add_linear(
-            LINEAR_Q5, lin.codes, lin.scales, None, lin.out_features, lin.group_size,
-            lin.native_rows_max, bias,
+            kind, lin.codes, lin.scales, None, lin.out_features, lin.group_size,
+            lin.kernel_rows_max, bias,
         )  # fmt: skip
-        return index, lin.native_rows_max
+        return index, lin.kernel_rows_max
     if isinstance(lin, ConcatLinear):  # its parts, then their outputs side by side
         added = [_add_linear(stack, part) for part in lin.parts]
         if any(a is None for a in added):
             return None
         return stack.add_concat([i for i, _ in added], bias), min(r for _, r in added)
-    if isinstance(lin, Int8GroupLinear) and lin.native:  # codes, scales in blocks of 16 rows
-        index = stack.add_linear(
-            LINEAR_I8G, lin.codes, lin.scales, None, lin.out_features, lin.group_size,
-            lin.kernel_rows_max, bias,
-        )  # fmt: skip
-        return index, lin.kernel_rows_max
     if type(lin) is Int8Linear:  # ATen's layout, or linear_i8_rows' blocks (lin.native)
         index = stack.add_linear(
             LINEAR_INT8, lin.codes, lin.scales, None, lin.out_features, 0,

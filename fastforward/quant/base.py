@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fastforward.layers.linear import copy_rows
@@ -29,6 +30,14 @@ def few_row_kernel_limit(rows: int) -> int:
     from fastforward.kernels.apply import cpu_has_native_bf16
 
     return rows if cpu_has_native_bf16() else EVERY_BATCH
+
+
+def expand_dtype() -> torch.dtype:
+    """The dtype a packed weight is expanded to for the dense matmul of large batches: bf16
+    where the CPU multiplies it natively, else float32 (oneDNN's software bf16 is slower)."""
+    from fastforward.kernels.apply import cpu_has_native_bf16
+
+    return KERNEL_DTYPE if cpu_has_native_bf16() else torch.float32
 
 
 class QuantizedLinear(nn.Module):
@@ -75,6 +84,13 @@ class QuantizedLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def expanded_matmul(self, x: torch.Tensor, expand, dtype: torch.dtype) -> torch.Tensor:
+        """``x @ W^T`` on the weight expanded once for this call by ``expand(out)`` (a C++
+        dequantize into an ``[N, K]`` tensor of ``dtype``), for batches past the packed kernel."""
+        w = torch.empty(self.out_features, self.in_features, dtype=dtype)
+        expand(w)
+        return F.linear(x.to(dtype), w).to(x.dtype)
 
     @property
     def kernel_rows_max(self) -> int:

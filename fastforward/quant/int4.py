@@ -9,13 +9,14 @@ grows more slowly with the rows)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from fastforward.quant import int4pack, q4pack
-from fastforward.quant.base import QuantizedLinear
+from fastforward.quant.base import QuantizedLinear, expand_dtype
 from fastforward.quant.gguf_blocks import BlockCodes
 from fastforward.quant.rtn import KERNEL_DTYPE, Int4Weights
 
@@ -44,7 +45,6 @@ class Int4Linear(QuantizedLinear):
         """Repack the same codes, scales and zeros for ``torch.ops.fastforward.linear_q4`` (the
         int4 table's integer path: CPUs with AVX512-VNNI)."""
         from fastforward import kernels
-        from fastforward.kernels.apply import cpu_has_native_bf16
 
         if self.native or not kernels.ops().int8_rows_native():
             return
@@ -54,7 +54,7 @@ class Int4Linear(QuantizedLinear):
         self.levels = (torch.arange(16) - 8).to(KERNEL_DTYPE)
         self.native = True
         self.native_rows_max = q4pack.kernel_rows_max(type(self).native_rows_max)
-        self.expand_dtype = KERNEL_DTYPE if cpu_has_native_bf16() else torch.float32
+        self.expand_dtype = expand_dtype()
 
     @property
     def kernel_rows_max(self) -> int:
@@ -74,9 +74,9 @@ class Int4Linear(QuantizedLinear):
         # one expansion in C++ per call (dense_bf16's PyTorch ops took 86 ms for Qwen2.5-0.5B's
         # gate/up, dequantize_q4 10 ms), in float32 where the CPU has no native bf16 matmul
         # (there few_row_kernel_limit keeps every batch on linear_q4 unless lowered)
-        w = torch.empty(self.out_features, self.in_features, dtype=self.expand_dtype)
-        torch.ops.fastforward.dequantize_q4(self.packed, self.scales_and_zeros, self.levels, w)
-        return F.linear(x.to(w.dtype), w).to(x.dtype)
+        op, sz = torch.ops.fastforward.dequantize_q4, self.scales_and_zeros
+        expand = functools.partial(op, self.packed, sz, self.levels)
+        return self.expanded_matmul(x, expand, self.expand_dtype)
 
     def unpacked_codes(self) -> torch.Tensor:
         """``[N, K]`` uint8 codes in 0..15."""

@@ -11,6 +11,7 @@ of 16 outputs and quad of inputs (``pack_high``), side by side in one stream per
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fastforward.quant import q4pack
-from fastforward.quant.base import QuantizedLinear, few_row_kernel_limit
+from fastforward.quant.base import QuantizedLinear, expand_dtype, few_row_kernel_limit
 from fastforward.quant.rtn import KERNEL_DTYPE
 
 TILE = q4pack.TILE
@@ -160,11 +161,9 @@ class Int5Linear(QuantizedLinear):
 
     def use_native_kernel(self) -> None:
         from fastforward import kernels
-        from fastforward.kernels.apply import cpu_has_native_bf16
 
         self.native = bool(kernels.ops().int8_rows_native())
-        native_bf16 = cpu_has_native_bf16()
-        self.expand_dtype = KERNEL_DTYPE if native_bf16 else torch.float32
+        self.expand_dtype = expand_dtype()
         self.native_rows_max = few_row_kernel_limit(type(self).native_rows_max)
 
     @property
@@ -176,9 +175,8 @@ class Int5Linear(QuantizedLinear):
             return torch.ops.fastforward.linear_q5(x, self.codes, self.scales, self.group_size)
         if self.expand_dtype is None:
             return F.linear(x, self.dense_bf16())
-        w = torch.empty(self.out_features, self.in_features, dtype=self.expand_dtype)
-        torch.ops.fastforward.dequantize_q5(self.codes, self.scales, w)
-        return F.linear(x.to(w.dtype), w).to(x.dtype)
+        expand = functools.partial(torch.ops.fastforward.dequantize_q5, self.codes, self.scales)
+        return self.expanded_matmul(x, expand, self.expand_dtype)
 
     def _weights(self, index: torch.Tensor | None = None) -> torch.Tensor:
         codes = unpack(self.codes, index)
