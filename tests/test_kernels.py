@@ -379,6 +379,19 @@ def test_linear_i8_rows_matches_the_int8_weight(m, n, k):
         ops.linear_i8_rows(x[:, :32], blocks, scales)
 
 
+def _i8g_case(m, n, k, group, scale_dtype, seed):
+    """Random int8 codes and group scales (rounded to ``scale_dtype``, as GGUF stores them) in
+    the int8-group layout, bf16 rows, and the float64 weight they stand for."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.01).to(scale_dtype).float()
+    blocks = codes.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+    block_scales = scales.view(n // 16, 16, -1).transpose(1, 2).contiguous()
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = (codes.double().view(n, -1, group) * scales.double()[..., None]).view(n, k)
+    return x, blocks, block_scales, w
+
+
 @needs_int8_rows
 @pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 64, 64, 32), (2, 4096, 576, 32),
                          (3, 48, 96, 16), (4, 32, 36, 2), (7, 80, 64, 32), (16, 48, 96, 16)])  # fmt: skip
@@ -387,15 +400,9 @@ def test_linear_i8g_rows_matches_the_group_scaled_weight(m, n, k, group):
     AVX512-VNNI but no AMX: exact integer products of the codes with each row held as int16
     per group, against a float64 matmul of the unrounded weight; each row independent of the
     batch around it; a 3-d x keeps its leading shape; bad input is refused."""
-    gen = torch.Generator().manual_seed(m * n + k)
-    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    scales = torch.rand(n, k // group, generator=gen) * 0.01
-    blocks = codes.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
-    block_scales = scales.view(n // 16, 16, -1).transpose(1, 2).contiguous()
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    x, blocks, block_scales, w = _i8g_case(m, n, k, group, torch.float32, m * n + k)
     ops = kernels.ops()
     y = ops.linear_i8g_rows(x, blocks, block_scales, group)
-    w = (codes.double().view(n, -1, group) * scales.double()[..., None]).view(n, k)
     ref = x.double() @ w.t()
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-4 * ref.abs().max())
@@ -422,15 +429,9 @@ def test_linear_i8g_amx_matches_bf16_weight(m, n, k, group, scale_dtype):
     I8G_ROWS_MAX rows take linear_i8g_rows (every AMX CPU has AVX512-VNNI): exact integer
     products of the codes and each row held as int16 per group, so the reference is the
     unrounded weight."""
-    gen = torch.Generator().manual_seed(m + n + k)
-    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    scales = (torch.rand(n, k // group, generator=gen) * 0.01).to(scale_dtype).float()
-    tiles = codes.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
-    tile_scales = scales.view(n // 16, 16, -1).transpose(1, 2).contiguous()
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    x, tiles, tile_scales, w = _i8g_case(m, n, k, group, scale_dtype, m + n + k)
     ops = kernels.ops()
     y = ops.linear_i8g_amx(x, tiles, tile_scales, group)
-    w = (codes.double().view(n, -1, group) * scales.double()[..., None]).view(n, k)
     ref = x.double() @ (w if m <= I8G_ROWS_MAX else w.to(torch.bfloat16).double()).t()
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     atol = (1e-4 if m <= I8G_ROWS_MAX else 1e-5) * ref.abs().max()
