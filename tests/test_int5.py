@@ -113,6 +113,25 @@ def test_kernel_expansion_is_the_dequantized_weight(dtype):
     out = torch.empty(96, 256, dtype=dtype)
     torch.ops.fastforward.dequantize_q5(m.codes, m.scales, out)
     assert torch.equal(out, m.dequantize().to(dtype))
+    ids = torch.tensor([95, 0, 17, 17])
+    rows = torch.empty(len(ids), 256, dtype=dtype)
+    torch.ops.fastforward.dequantize_q5(m.codes, m.scales, rows, ids)
+    assert torch.equal(rows, out[ids])
+    with pytest.raises(RuntimeError, match="outside the weight"):
+        torch.ops.fastforward.dequantize_q5(m.codes, m.scales, rows, torch.tensor([0, 1, 2, 96]))
+
+
+@needs_kernels
+def test_embedding_rows_on_the_kernels_are_the_dequantized_rows():
+    """Once on fastforward's kernels an embedding lookup expands its rows in one C++ call: the
+    same float32 bits as the PyTorch path's."""
+    m = Int5Linear(quantize_int5(_weight()))
+    ids = torch.tensor([0, 95, 17, 16, 5])
+    plain = m.rows(ids)
+    m.use_native_kernel()
+    assert torch.equal(m.rows(ids), plain)
+    emb = QuantizedEmbedding(m, torch.bfloat16)
+    assert torch.equal(emb(ids[None]), plain.to(torch.bfloat16)[None])
 
 
 @needs_kernels

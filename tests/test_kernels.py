@@ -301,6 +301,17 @@ def test_dequantize_q4_expands_the_weight(n, k, group, zeros, levels, dtype):
         kernels.ops().dequantize_q4(packed, sz, table, torch.empty(n, k, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="out must be"):
         kernels.ops().dequantize_q4(packed, sz, table, torch.empty(n + 16, k))
+    # some rows (embedding lookups): exactly those rows of the whole expansion
+    ids = torch.tensor([n - 1, 0, n // 3, n // 3, n // 2])
+    rows = torch.empty(len(ids), k, dtype=dtype)
+    kernels.ops().dequantize_q4(packed, sz, table, rows, ids)
+    assert torch.equal(rows, out[ids])
+    with pytest.raises(RuntimeError, match="outside the weight"):
+        kernels.ops().dequantize_q4(packed, sz, table, rows, torch.tensor([0, 1, 2, 3, n]))
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.ops().dequantize_q4(packed, sz, table, torch.empty(n, k), ids)
+    with pytest.raises(RuntimeError, match="1-D int64"):
+        kernels.ops().dequantize_q4(packed, sz, table, rows, ids.int())
 
 
 @needs_int4

@@ -188,7 +188,11 @@ class Int5Linear(QuantizedLinear):
         return self._weights()
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
-        return self._weights(index)
+        if self.expand_dtype is None:  # fastforward's kernels not in use
+            return self._weights(index)
+        out = torch.empty(index.shape[0], self.in_features)
+        torch.ops.fastforward.dequantize_q5(self.codes, self.scales, out, index.long())
+        return out
 
     def dense_bf16(self) -> torch.Tensor:
         return self._weights().to(KERNEL_DTYPE)

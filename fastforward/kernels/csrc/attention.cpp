@@ -680,14 +680,15 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
       base += all_heads(std::min(g.qc, qlen - t0)) ? 1 : g.KVH;
   }
   // Split the key range when the items would leave threads idle and the keys are many: parts
-  // of at least 512 keys, or 128 where each KV head is an item of its own (no dot-product
-  // path). There one sequence of SmolLM2's 3 KV heads on 2 threads went from 3 items to 6 at
-  // 350 keys: 31.9 -> 25.9 us a layer, 600 keys 49.0 -> 43.1, 128 and 2,000 unchanged (bf16
-  // cache, Xeon without AVX512-BF16, 30 layers' caches in turn, a throwaway timing script).
+  // of at least 512 keys, or 64 where each KV head is an item of its own (no dot-product
+  // path). There one sequence of SmolLM2's 3 KV heads on 2 threads makes 6 items from 128
+  // keys instead of 3 (bf16 cache, Xeon without AVX512-BF16, 30 layers' caches in turn, a
+  // throwaway timing script): parts of 128 keys took 350 keys 31.9 -> 25.9 us a layer and 600
+  // keys 49.0 -> 43.1; parts of 64, 128 keys 15.0 -> 13.7 us and 230 keys 22.2 -> 19.9.
   const int64_t threads = at::get_num_threads();
   int64_t parts = 1;
   if (base > 0 && base < 4 * threads) {
-    const int64_t cap = std::max<int64_t>(1, max_len / (dp ? 512 : 128));
+    const int64_t cap = std::max<int64_t>(1, max_len / (dp ? 512 : 64));
     parts = std::min((4 * threads + base - 1) / base, cap);
     // whole rounds of items per thread: up where the cap allows (3 KV heads on 2 threads: 4
     // parts), else down (one sequence's span capped at 7 parts: 6)

@@ -112,7 +112,9 @@ void for_row_blocks(int64_t blocks, int64_t M, int64_t block_bytes, F&& kernel) 
 // is code[i][4q + j], of hi code[i][4q + 2 + j] -- and meet the rows' int16 pairs in exact int32
 // dot products per group (vpdpwssd), then y += s * xs * d + z * sum(x) with
 // (s, z) = Codes::scale_zero(tile, group). One row keeps the quads' two halves in two chains per
-// tile to cover vpdpwssd's latency; more rows have MR x NT chains already. noinline: kept out of
+// tile to cover vpdpwssd's latency; more rows have MR x NT chains already. There the high half
+// comes as Codes::words<true>: its codes times 16 (the nibble masked in place, no shift), whose
+// exact int32 sums (multiples of 16) shift back once per group. noinline: kept out of
 // for_row_blocks' walk (inlined there, the [3072, 576] int4 matrix from L3 took 62-65 us
 // against 39-46).
 template <int MR, int NT, typename Codes>
@@ -139,7 +141,7 @@ __attribute__((noinline)) void int_codes_block(const Codes& codes, const int16_t
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) {
         __m512i lo, hi;
-        codes.words(t0 + t, q, lo, hi);
+        codes.template words<SPLIT>(t0 + t, q, lo, hi);
 #pragma GCC unroll 4
         for (int m = 0; m < MR; ++m) {
           dl[m][t] = _mm512_dpwssd_epi32(dl[m][t], lo, xl[m]);
@@ -154,7 +156,8 @@ __attribute__((noinline)) void int_codes_block(const Codes& codes, const int16_t
       codes.scale_zero(t0 + t, g, s, z);
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
-        const __m512i d = SPLIT ? _mm512_add_epi32(dl[m][t], dh[m][t]) : dl[m][t];
+        const __m512i d =
+            SPLIT ? _mm512_add_epi32(dl[m][t], _mm512_srai_epi32(dh[m][t], 4)) : dl[m][t];
         const __m512 sxs = _mm512_mul_ps(s, _mm512_set1_ps(xs[m * G + g]));
         acc[m][t] = _mm512_fmadd_ps(sxs, _mm512_cvtepi32_ps(d), acc[m][t]);
         acc[m][t] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[m * G + g]), acc[m][t]);

@@ -164,11 +164,14 @@ struct Int4Codes {
   int64_t tile_bytes, G;
   int C;
 
+  // word 2i + j of lo: code[i][4q + j]; of hi: code[i][4q + 2 + j] (times 16 if HI16)
+  template <bool HI16>
   void words(int64_t tile, int64_t q, __m512i& lo, __m512i& hi) const {
     const __m512i nib = _mm512_set1_epi16(0x000f);
     const __m512i b = quad_bytes(w, tile_bytes, int(tile), q);
-    lo = _mm512_and_si512(b, nib);  // word 2i + j: code[i][4q + j]
-    hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);  // code[i][4q + 2 + j]
+    lo = _mm512_and_si512(b, nib);
+    hi = HI16 ? _mm512_and_si512(b, _mm512_set1_epi16(0x00f0))
+              : _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
   }
 
   // w = (code - 8) * s + z: the zero term is z - 8 s.
@@ -267,8 +270,10 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
 // The weight [N, K] as float32 or bf16 (out's dtype, written here): w = table[code] * s (+ z),
 // for the dense matmul of large batches on CPUs where linear_q4_amx does not take them (one
 // expansion per call serves every row; in float32 where the CPU has no native bf16 matmul).
+// With rows, only those ([R, K]: embedding lookups). The product and the sum round apart, as
+// PyTorch's ops on the module's side do (quant/int4.py _affine): the same float32 bits.
 void dequantize_q4(const at::Tensor& wq, const at::Tensor& sz, const at::Tensor& table,
-                   at::Tensor& out) {
+                   at::Tensor& out, const std::optional<at::Tensor>& rows) {
   constexpr int64_t T = 16, Q = 32;  // outputs per tile, bytes per tile and input quad
   const int64_t tiles = wq.size(0), quads = wq.size(1), K = quads * 4;
   TORCH_CHECK(sz.dim() == 4 && sz.size(1) > 0 && K % sz.size(1) == 0,
@@ -281,14 +286,20 @@ void dequantize_q4(const at::Tensor& wq, const at::Tensor& sz, const at::Tensor&
   for (int c = 0; c < 16; ++c) tab[c] = bf16_to_float(tp[c]);
   const auto* wp = wq.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
-  expand_tiles(out, tiles, K, [&](int64_t t, int i, float* row) {
+  // no fused multiply-add: the empty asm makes the product a value of its own
+  auto affine = [](float level, float s, float z) {
+    float p = level * s;
+    asm("" : "+v"(p));
+    return p + z;
+  };
+  expand_tiles(out, tiles, K, rows, [&](int64_t t, int i, float* row) {
     for (int64_t q = 0; q < quads; ++q) {
       const uint8_t* b = wp + (t * quads + q) * Q + 2 * i;
       const uint16_t* st = sp + (t * G + 4 * q / group_size) * C * T + i;
       const float s = bf16_to_float(st[0]), z = C == 2 ? bf16_to_float(st[T]) : 0.f;
       float* r = row + 4 * q;
-      r[0] = tab[b[0] & 15] * s + z, r[1] = tab[b[1] & 15] * s + z;
-      r[2] = tab[b[0] >> 4] * s + z, r[3] = tab[b[1] >> 4] * s + z;
+      r[0] = affine(tab[b[0] & 15], s, z), r[1] = affine(tab[b[1] & 15], s, z);
+      r[2] = affine(tab[b[0] >> 4], s, z), r[3] = affine(tab[b[1] >> 4], s, z);
     }
   });
 }

@@ -40,6 +40,8 @@ struct Int5Codes {
   const uint16_t* sc;   // [N/16, G, 16] float16
   int64_t quads, G;
 
+  // word 2i + j of lo: code[i][4q + j]; of hi: code[i][4q + 2 + j] (times 16 if HI16)
+  template <bool HI16>
   void words(int64_t tile, int64_t q, __m512i& lo, __m512i& hi) const {
     const __m512i nib = _mm512_set1_epi16(0x000f), sixteen = _mm512_set1_epi16(16);
     const uint8_t* src = w + (tile * quads + q) * QUAD_BYTES;
@@ -48,10 +50,15 @@ struct Int5Codes {
         _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
     // the masks straight from memory (kmovd k, m32: a load, not a move from a register)
     auto* bits = reinterpret_cast<__mmask32*>(const_cast<uint8_t*>(src + 32));
-    lo = _mm512_and_si512(b, nib);  // word 2i + j: code[i][4q + j] & 15
-    hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);  // code[i][4q + 2 + j] & 15
+    lo = _mm512_and_si512(b, nib);
     lo = _mm512_mask_add_epi16(lo, _load_mask32(bits), lo, sixteen);
-    hi = _mm512_mask_add_epi16(hi, _load_mask32(bits + 1), hi, sixteen);
+    if constexpr (HI16) {
+      hi = _mm512_and_si512(b, _mm512_set1_epi16(0x00f0));
+      hi = _mm512_mask_add_epi16(hi, _load_mask32(bits + 1), hi, _mm512_set1_epi16(256));
+    } else {
+      hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+      hi = _mm512_mask_add_epi16(hi, _load_mask32(bits + 1), hi, sixteen);
+    }
   }
 
   // w = (code - 16) * s: the zero term is -16 s.
@@ -119,8 +126,10 @@ at::Tensor linear_q5(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }
 
 // The weight [N, K] as float32 or bf16 (out's dtype, [N, K], written here): for the dense
-// matmul of large batches, where one expansion per call serves every row.
-void dequantize_q5(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out) {
+// matmul of large batches, where one expansion per call serves every row. With rows, only
+// those ([R, K]: embedding lookups).
+void dequantize_q5(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out,
+                   const std::optional<at::Tensor>& rows) {
   const int64_t tiles = codes.size(0), quads = codes.size(1), K = quads * 4;
   TORCH_CHECK(scales.dim() == 3 && scales.size(1) > 0 && K % scales.size(1) == 0,
               "scales must be [N/16, K/group, 16]");
@@ -128,7 +137,7 @@ void dequantize_q5(const at::Tensor& codes, const at::Tensor& scales, at::Tensor
   check_q5(codes, scales, group_size);
   const auto* wp = codes.data_ptr<uint8_t>();
   const auto* sp = scales.data_ptr<at::Half>();
-  expand_tiles(out, tiles, K, [&](int64_t t, int i, float* row) {
+  expand_tiles(out, tiles, K, rows, [&](int64_t t, int i, float* row) {
     for (int64_t q = 0; q < quads; ++q) {
       const uint8_t* quad = wp + (t * quads + q) * QUAD_BYTES_Q5;
       const uint8_t* b = quad + 2 * i;

@@ -37,9 +37,11 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("linear_i8_rows(Tensor x, Tensor codes, Tensor scales) -> Tensor", &ff::linear_i8_rows);
   m.def("linear_q5(Tensor x, Tensor codes, Tensor scales, int group_size) -> Tensor",
         &ff::linear_q5);
-  m.def("dequantize_q5(Tensor codes, Tensor scales, Tensor(a!) out) -> ()", &ff::dequantize_q5);
-  m.def("dequantize_q4(Tensor wq, Tensor sz, Tensor table, Tensor(a!) out) -> ()",
-        &ff::dequantize_q4);
+  m.def("dequantize_q5(Tensor codes, Tensor scales, Tensor(a!) out, Tensor? rows=None) -> ()",
+        &ff::dequantize_q5);
+  m.def(
+      "dequantize_q4(Tensor wq, Tensor sz, Tensor table, Tensor(a!) out, Tensor? rows=None) -> ()",
+      &ff::dequantize_q4);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor", &ff::rms_norm);
   m.def(
       "add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps, bool unit_offset) "

@@ -64,7 +64,8 @@ at::Tensor linear_i8g_rows(const at::Tensor& x, const at::Tensor& codes, const a
 at::Tensor linear_i8_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 at::Tensor linear_q5(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      int64_t group_size);
-void dequantize_q5(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out);
+void dequantize_q5(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out,
+                   const std::optional<at::Tensor>& rows);
 void dequantize_q4(const at::Tensor& wq, const at::Tensor& sz, const at::Tensor& table,
-                   at::Tensor& out);
+                   at::Tensor& out, const std::optional<at::Tensor>& rows);
 }  // namespace ff
