@@ -68,21 +68,25 @@ needs_vnni = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    ("arch", "method"),
+    ("arch", "method", "dtype"),
     [
-        pytest.param("llama3-rope-tied", "int4", marks=needs_vnni),
-        pytest.param("llama3-rope-tied", "codebook4", marks=needs_q4),
-        pytest.param("llama3-rope-tied", "int8", marks=needs_vnni),
+        pytest.param("llama3-rope-tied", "int4", "bfloat16", marks=needs_vnni),
+        # biases on q/k/v, and float32 activations around the 4-bit kernel
+        pytest.param("qwen2", "int4", "bfloat16", marks=needs_vnni),
+        pytest.param("qwen2", "int4", "float32", marks=needs_vnni),
+        pytest.param("llama3-rope-tied", "codebook4", "bfloat16", marks=needs_q4),
+        pytest.param("llama3-rope-tied", "int8", "bfloat16", marks=needs_vnni),
         # int5 layers, and q/k (int5) beside v (int8) in one ConcatLinear
-        pytest.param("qwen2", "int4-mix", marks=needs_vnni),
+        pytest.param("qwen2", "int4-mix", "bfloat16", marks=needs_vnni),
     ],
 )
-def test_fused_stack_runs_quantized_layers(tiny_model_dir, arch, method, count_fused_calls):
+def test_fused_stack_runs_quantized_layers(tiny_model_dir, arch, method, dtype, count_fused_calls):
     directory, _ = tiny_model_dir(arch)
-    fused_llm, fused = _run(directory, True, quantization=method, kernels="native")
+    kw = dict(quantization=method, kernels="native", dtype=dtype)
+    fused_llm, fused = _run(directory, True, **kw)
     assert fused_llm.engine.model.fused_decoder is not None, fused_llm.engine.runner.fused_reason
     assert count_fused_calls
-    _, plain = _run(directory, False, quantization=method, kernels="native")
+    _, plain = _run(directory, False, **kw)
     assert fused == plain
 
 

@@ -52,6 +52,7 @@ struct Linear {
   int64_t rows_max = 0;  // batches up to this many rows run the packed kernel
   std::optional<at::Tensor> bias;
   std::vector<Linear> parts;  // kConcat
+  Q4Table q4{};               // kQ4: the table, read and checked when the layer is added
 
   at::Tensor operator()(const at::Tensor& x) const {
     const int64_t rows = x.size(0);
@@ -77,14 +78,23 @@ struct Linear {
     }
     TORCH_CHECK(rows <= rows_max, "fused decoder: ", rows, " rows exceed the packed kernel's ",
                 rows_max);
-    const auto xb = x.to(at::kBFloat16).contiguous();
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const auto xb = bf16 && x.is_contiguous() ? x : x.to(at::kBFloat16).contiguous();
+    if (kind == kQ4 && !linear_q4_takes_amx(rows, q4)) {  // checked in add_linear
+      TORCH_CHECK(xb.dim() == 2 && xb.size(1) == w.size(1) * 4, "fused decoder: x of ",
+                  xb.sizes(), " for a 4-bit linear of ", w.size(1) * 4, " inputs");
+      auto y = at::empty({rows, n}, xb.options());
+      linear_q4_out(xb, w, aux, q4, group, y);
+      if (!bf16) y = y.to(x.scalar_type());
+      return bias ? y + *bias : y;
+    }
     auto y = kind == kQ4      ? linear_q4(xb, w, aux, table, group)
              : kind == kQ5    ? linear_q5(xb, w, aux, group)
              : kind == kI8G   ? (amx_native() ? linear_i8g_amx(xb, w, aux, group)
                                               : linear_i8g_rows(xb, w, aux, group))
              : w.dim() == 4 ? linear_i8_rows(xb, w, aux)  // codes in blocks of 16 rows
                             : at::_weight_int8pack_mm(xb, w, aux);
-    y = y.to(x.scalar_type());
+    if (!bf16) y = y.to(x.scalar_type());
     if (bias) y = y + *bias;
     return y;
   }
@@ -124,6 +134,12 @@ class DecoderStack : public torch::CustomClassHolder {
     l.w = std::move(w);
     if (aux) l.aux = *aux;
     if (table) l.table = *table;
+    if (kind == kQ4) {
+      check_linear_q4(at::empty({0, l.w.size(1) * 4}, at::kBFloat16), l.w, l.aux, l.table, group);
+      TORCH_CHECK(n == l.w.size(0) * 16, "4-bit linear: ", n, " outputs for ", l.w.size(0),
+                  " tiles");
+      l.q4 = q4_table(l.table);
+    }
     l.n = n;
     l.group = group;
     l.rows_max = rows_max;

@@ -205,36 +205,56 @@ void check_linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
               " features");
 }
 
+Q4Table q4_table(const at::Tensor& table) {
+  TORCH_CHECK(table.numel() == 16 && table.scalar_type() == at::kBFloat16,
+              "table must hold 16 bf16 values");
+  auto tc = table.contiguous();
+  Q4Table t;
+  std::memcpy(t.tab, tc.data_ptr(), 32);
+  std::memcpy(t.tab + 16, tc.data_ptr(), 32);
+  t.int4 = true;  // the int4 table, code - 8: integer dot products, no lookup
+  for (int c = 0; c < 16; ++c) t.int4 = t.int4 && bf16_to_float(t.tab[c]) == float(c - 8);
+  TORCH_CHECK(kQ4Native || (t.int4 && kQ4IntNative),
+              t.int4 ? "linear_q4 needs AVX512-VNNI (this build has no 4-bit kernel)"
+                     : "linear_q4 with a codebook table needs AVX512-BF16 and AVX512-VNNI");
+  return t;
+}
+
+bool linear_q4_takes_amx(int64_t rows, const Q4Table& t) {
+  return rows >= (t.int4 ? kQ4Int4AmxRowsMin : kQ4AmxRowsMin) && amx_native();
+}
+
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                      const at::Tensor& table, int64_t group_size) {
   check_linear_q4(x, wq, sz, table, group_size);
   const int64_t K = x.size(-1);
-  auto tc = table.contiguous();
-  alignas(64) uint16_t tab[32];
-  std::memcpy(tab, tc.data_ptr(), 32);
-  std::memcpy(tab + 16, tc.data_ptr(), 32);
-  bool int4 = true;  // the int4 table, code - 8: integer dot products, no lookup
-  for (int c = 0; c < 16; ++c) int4 = int4 && bf16_to_float(tab[c]) == float(c - 8);
-  TORCH_CHECK(kQ4Native || (int4 && kQ4IntNative),
-              int4 ? "linear_q4 needs AVX512-VNNI (this build has no 4-bit kernel)"
-                   : "linear_q4 with a codebook table needs AVX512-BF16 and AVX512-VNNI");
-  if (x.numel() >= (int4 ? kQ4Int4AmxRowsMin : kQ4AmxRowsMin) * K && amx_native())
+  const Q4Table t = q4_table(table);
+  if (linear_q4_takes_amx(x.numel() / std::max<int64_t>(K, 1), t))
     return linear_q4_amx(x, wq, sz, table, group_size);
-  const int64_t tiles = wq.size(0), N = tiles * 16, G = K / group_size;
   auto xc = x.reshape({-1, K}).contiguous();
-  const int64_t M = xc.size(0);
   auto out_sizes = x.sizes().vec();
-  out_sizes.back() = N;
-  auto y = at::empty({M, N}, x.options());
-#ifdef FF_Q4_INT
-  if (M == 0) return y.view(out_sizes);
+  out_sizes.back() = wq.size(0) * 16;
+  auto y = at::empty({xc.size(0), out_sizes.back()}, x.options());
+  linear_q4_out(xc, wq, sz, t, group_size, y);
+  return y.view(out_sizes);
+}
+
+// linear_q4's work, the shapes checked (check_linear_q4) and the table read once (q4_table) by
+// the caller: the fused decoder stack checks its layers when they are added, so a decode step's
+// 120 calls do not check, allocate or dispatch again.
+void linear_q4_out(const at::Tensor& xc, const at::Tensor& wq, const at::Tensor& sz,
+                   const Q4Table& t, int64_t group_size, at::Tensor& y) {
+  const int64_t M = xc.size(0), K = xc.size(1), tiles = wq.size(0), N = tiles * 16;
+  const int64_t G = K / group_size;
+  if (M == 0) return;
   const int C = int(sz.size(2));
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const auto* wp = wq.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t qpg = group_size / 4;
-  if (int4) {
+#ifdef FF_Q4_INT
+  if (t.int4) {
     std::vector<int16_t> xq(M * K);
     std::vector<float> xs(M * G), sx(M * G);
     quantize_groups(xp, M, K, group_size, xq.data(), xs.data(), sx.data());
@@ -244,7 +264,7 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
           c, xq.data() + m0 * K, K, xs.data() + m0 * G, sx.data() + m0 * G, G, qpg, t0,
           yp + m0 * N, N);
     });
-    return y.view(out_sizes);
+    return;
   }
 #endif
 #ifdef FF_Q4
@@ -257,14 +277,14 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
         s += bf16_to_float(xp[m * K + k]);
       sx[m * G + g] = s;
     }
-  const __m512i tv = _mm512_load_si512(tab);
+  const __m512i tv = _mm512_load_si512(t.tab);
   for_row_blocks(tiles, M, K * 8, [&](auto nt, auto mr, int64_t m0, int64_t t0) {
     block<decltype(mr)::value, decltype(nt)::value>(xp + m0 * K, K, wp, sp, C,
                                                    sx.empty() ? nullptr : sx.data() + m0 * G, G,
                                                    qpg, tv, t0, yp + m0 * N, N);
   });
 #endif
-  return y.view(out_sizes);
+  (void)xp, (void)wp, (void)sp, (void)yp, (void)qpg, (void)C, (void)N, (void)G;
 }
 
 // The weight [N, K] as float32 or bf16 (out's dtype, written here): w = table[code] * s (+ z),

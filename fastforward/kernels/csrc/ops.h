@@ -38,6 +38,16 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
                      const at::Tensor& table, int64_t group_size);
 void check_linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                      const at::Tensor& table, int64_t group_size);
+// A 4-bit table read once (twice over, for the in-register lookup) and whether it is the int4
+// table (code - 8), which takes the integer path; refused where this CPU has no kernel for it.
+struct Q4Table {
+  alignas(64) uint16_t tab[32];
+  bool int4;
+};
+Q4Table q4_table(const at::Tensor& table);
+bool linear_q4_takes_amx(int64_t rows, const Q4Table& t);
+void linear_q4_out(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
+                   const Q4Table& t, int64_t group_size, at::Tensor& y);
 at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                          const at::Tensor& table, int64_t group_size);
 bool prefill_attention_amx_native(int64_t head_dim);
