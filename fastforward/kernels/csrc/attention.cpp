@@ -4,9 +4,10 @@
 //
 // Work is split into items of (sequence, KV head, chunk of query tokens, part of the key
 // range). An item's rows are its query tokens x the query heads that share the KV head (GQA),
-// so every key and value loaded is used by all of them (a decode item on the dot-product paths,
-// bf16 and int8 caches, takes all the sequence's KV heads, rows head-major, and reads each
-// block's rows as one span). Per block of keys the generic item converts K to fp32 once (16
+// so every key and value loaded is used by all of them (a decode item takes all the sequence's
+// KV heads, rows head-major, and reads each block's rows as one span). Per block of keys the
+// generic item (no dot-product path: float caches, CPUs without AVX512-BF16) converts K to fp32
+// once per KV head (16
 // keys at a time, the next 16 prefetched), scores every row against all of them with one
 // transposing reduction, updates each row's online softmax (running max m, sum l, accumulator
 // acc) on the vector of scores, then accumulates V. When there are too few items to keep every
@@ -210,15 +211,17 @@ struct PrefetchQueue {
 
 // One item: writes each row's partial (m, l, acc[D]) to part = [rows][D + 2].
 //
-// Keys go VL at a time (a sub-block of a cache block): each row scores them into VL partial
-// vectors reduced to one vector of VL scores at once, masks, exponentiates and sums them as a
-// vector, then adds the VL values into its accumulator in 4 independent FMA chains. K and V
-// are converted to fp32 once per sub-block for all rows, zero-padded to whole vectors.
+// Keys go VL at a time (a sub-block of a cache block), its KV heads in turn: each of a head's
+// rows scores them into VL partial vectors reduced to one vector of VL scores at once, masks,
+// exponentiates and sums them as a vector, then adds the VL values into its accumulator in 4
+// independent FMA chains. K and V are converted to fp32 once per sub-block and head for all its
+// rows, zero-padded to whole vectors; the next sub-block's span of all the item's heads is
+// prefetched meanwhile.
 template <typename QT, typename CT>
 void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache,
                  const at::Half* scales, const int64_t* table, const int64_t* qpos0,
                  float* part) {
-  const int64_t D = g.D, rows = it.nt * g.G;  // one KV head (nh = 1)
+  const int64_t D = g.D, per_head = it.nt * g.G, rows = per_head * it.nh;
   const int64_t Dp = (D + VL - 1) / VL * VL;
   alignas(64) float qf[ROWS_MAX][D_MAX];
   alignas(64) float kf[VL][D_MAX];
@@ -241,53 +244,59 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
     const int64_t b0 = s0 - s0 % g.BS, s1 = sub_block_end(s0, g.BS, st.k_hi);
     const int n = int(s1 - s0);
     const int64_t row0 = tab[b0 / g.BS] * g.BS + (s0 - b0);  // first key's row in the pool
-    const CT* kb = cache + row0 * kv_stride + it.kvh * D;
+    const CT* kb0 = cache + row0 * kv_stride + it.kvh * D;
     // int8 cache: scales [2, NB, BS, KVH], one per key row and KV head
-    const at::Half* ks = scales ? scales + row0 * g.KVH + it.kvh : nullptr;
-    pf.queue(cache, tab, g, it.kvh, s1, st.k_hi, kv_stride, half);
-    for (int j = 0; j < n; ++j) {
-      pf.issue(2);
-      to_float(kf[j], kb + j * kv_stride, D);
-    }
-    for (int j = n; j < VL; ++j) std::fill(kf[j], kf[j] + D, 0.f);
-    row_scales(ks_buf, ks, g.KVH, n);
-    for (int j = n; j < VL; ++j) ks_buf[j] = 0.f;
-    const vf kscale = load(ks_buf) * g.scale;
-    bool any = false;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t rlo = std::max(st.lo[r], s0), rhi = std::min(st.hi[r], s1);
-      if (rlo >= rhi) {
-        std::fill(p[r], p[r] + VL, 0.f);
-        continue;
-      }
-      vf dots[VL];
-#pragma GCC unroll 16
-      for (int j = 0; j < VL; ++j) {
-        vf a0{}, a1{};
-        int64_t d = 0;
-        for (; d + 2 * VL <= Dp; d += 2 * VL) {
-          a0 += load(qf[r] + d) * load(kf[j] + d);
-          a1 += load(qf[r] + d + VL) * load(kf[j] + d + VL);
-        }
-        if (d < Dp) a0 += load(qf[r] + d) * load(kf[j] + d);
-        dots[j] = a0 + a1;
-      }
-      vf sc = hsum_each(dots) * kscale;
-      if (g.softcap > 0.f) {
-        for (int j = 0; j < VL; ++j) sc[j] = g.softcap * std::tanh(sc[j] / g.softcap);
-      }
-      store(p[r], st.update(r, sc, s0, rlo, rhi, acc[r], Dp, [](vf v) { return v; }));
-      any = true;
-    }
-    if (any) {
-      const CT* vb = kb + half;
-      const at::Half* vs = scales ? ks + g.NB * g.BS * g.KVH : nullptr;
+    const at::Half* ks0 = scales ? scales + row0 * g.KVH + it.kvh : nullptr;
+    pf.queue(cache, tab, g, it.kvh, s1, st.k_hi, kv_stride, half, it.nh);
+    // the queue's lines (a key's span of nh heads, K and V) spread over the 2 x nh x n rows
+    const int issue = int(((it.nh * D * int64_t(sizeof(CT)) + 63) / 64 + it.nh - 1) / it.nh);
+    for (int64_t hh = 0; hh < it.nh; ++hh) {  // each KV head: its rows [r_lo, r_hi)
+      const CT* kb = kb0 + hh * D;
+      const at::Half* ks = ks0 ? ks0 + hh : nullptr;
+      const int64_t r_lo = hh * per_head, r_hi = r_lo + per_head;
       for (int j = 0; j < n; ++j) {
-        pf.issue(2);
+        pf.issue(issue);
+        to_float(kf[j], kb + j * kv_stride, D);
+      }
+      for (int j = n; j < VL; ++j) std::fill(kf[j], kf[j] + D, 0.f);
+      row_scales(ks_buf, ks, g.KVH, n);
+      for (int j = n; j < VL; ++j) ks_buf[j] = 0.f;
+      const vf kscale = load(ks_buf) * g.scale;
+      bool any = false;
+      for (int64_t r = r_lo; r < r_hi; ++r) {
+        const int64_t rlo = std::max(st.lo[r], s0), rhi = std::min(st.hi[r], s1);
+        if (rlo >= rhi) {
+          std::fill(p[r], p[r] + VL, 0.f);
+          continue;
+        }
+        vf dots[VL];
+#pragma GCC unroll 16
+        for (int j = 0; j < VL; ++j) {
+          vf a0{}, a1{};
+          int64_t d = 0;
+          for (; d + 2 * VL <= Dp; d += 2 * VL) {
+            a0 += load(qf[r] + d) * load(kf[j] + d);
+            a1 += load(qf[r] + d + VL) * load(kf[j] + d + VL);
+          }
+          if (d < Dp) a0 += load(qf[r] + d) * load(kf[j] + d);
+          dots[j] = a0 + a1;
+        }
+        vf sc = hsum_each(dots) * kscale;
+        if (g.softcap > 0.f) {
+          for (int j = 0; j < VL; ++j) sc[j] = g.softcap * std::tanh(sc[j] / g.softcap);
+        }
+        store(p[r], st.update(r, sc, s0, rlo, rhi, acc[r], Dp, [](vf v) { return v; }));
+        any = true;
+      }
+      if (!any) continue;
+      const CT* vb = kb + half;
+      const at::Half* vs = ks ? ks + g.NB * g.BS * g.KVH : nullptr;
+      for (int j = 0; j < n; ++j) {
+        pf.issue(issue);
         to_float(kf[j], vb + j * kv_stride, D);
       }
       row_scales(vs_buf, vs, g.KVH, n);
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = r_lo; r < r_hi; ++r) {
         float w[VL];
         for (int j = 0; j < VL; ++j) w[j] = j < n ? p[r][j] * vs_buf[j] : 0.f;
         int64_t d = 0;
@@ -667,7 +676,12 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
   // memory, 2 threads on the AMX Xeon (a throwaway timing script, alternating runs): 64
   // sequences of 174 keys 0.64-0.68 -> 0.55-0.60 ms a layer; one of 4,000 keys 288-315 ->
   // 198-206 us.
-  const bool spans = dp && g.KVH > 1 && g.KVH * g.D * 2 <= D_MAX * 4;  // prefetch queue's room
+  // Without the dot-product path (CPUs without AVX512-BF16) the generic item takes the heads
+  // in turn the same way: each KV head walked 128 of every 384 bytes of SmolLM2's key rows on
+  // its own, the hardware prefetcher's streams helped little and a quarter of the time went
+  // to software prefetches waiting for line-fill buffers (4,000 keys, perf annotate).
+  const int64_t elem = dp ? 2 : int64_t(sizeof(CT));
+  const bool spans = g.KVH > 1 && g.KVH * g.D * elem <= D_MAX * 4;  // prefetch queue's room
   auto all_heads = [&](int64_t nt) { return spans && nt * g.G * g.KVH <= ROWS_MAX; };
   int64_t max_len = 0, base = 0;  // base: items before the key range is split
   for (int64_t b = 0; b < B; ++b) {
@@ -680,11 +694,13 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
       base += all_heads(std::min(g.qc, qlen - t0)) ? 1 : g.KVH;
   }
   // Split the key range when the items would leave threads idle and the keys are many: parts
-  // of at least 512 keys, or 64 where each KV head is an item of its own (no dot-product
-  // path). There one sequence of SmolLM2's 3 KV heads on 2 threads makes 6 items from 128
-  // keys instead of 3 (bf16 cache, Xeon without AVX512-BF16, 30 layers' caches in turn, a
-  // throwaway timing script): parts of 128 keys took 350 keys 31.9 -> 25.9 us a layer and 600
-  // keys 49.0 -> 43.1; parts of 64, 128 keys 15.0 -> 13.7 us and 230 keys 22.2 -> 19.9.
+  // of at least 512 keys on the dot-product paths, 64 on the generic one, whose work per key is
+  // larger (one sequence of SmolLM2's heads on 2 threads: 2 items from 128 keys). There, with an
+  // item per KV head, parts of 128 keys had taken 350 keys 31.9 -> 25.9 us a layer, and parts of
+  // 64 then 128 keys 15.0 -> 13.7 and 230 keys 22.2 -> 19.9; with the heads in one item
+  // (spans, above), 30 layers' caches in turn: 1,000 keys 61 -> 58-59 us and 4,000 keys
+  // 253-280 -> 219-222 (2 threads; one thread 482-486 -> 435-447), 128 and 230 keys as before
+  // (bf16 cache, Xeon without AVX512-BF16, throwaway timing scripts, alternating processes).
   const int64_t threads = at::get_num_threads();
   int64_t parts = 1;
   if (base > 0 && base < 4 * threads) {
