@@ -390,6 +390,17 @@ def test_linear_i8_rows_matches_the_int8_weight(m, n, k):
         ops.linear_i8_rows(x[:, :32], blocks, scales)
 
 
+def _i8g_refuses_bad_input(op, x, codes, scales, group):
+    """Both int8-group kernels (one shared check): a group size not dividing the codes, scales
+    of the wrong dtype, x of the wrong width."""
+    with pytest.raises(RuntimeError, match="group size"):
+        op(x, codes, scales, 3)
+    with pytest.raises(RuntimeError, match="scales"):
+        op(x, codes, scales.half(), group)
+    with pytest.raises(RuntimeError, match="features"):
+        op(x[:, 1:], codes, scales, group)
+
+
 def _i8g_case(m, n, k, group, scale_dtype, seed):
     """Random int8 codes and group scales (rounded to ``scale_dtype``, as GGUF stores them) in
     the int8-group layout, bf16 rows, and the float64 weight they stand for."""
@@ -420,12 +431,7 @@ def test_linear_i8g_rows_matches_the_group_scaled_weight(m, n, k, group):
     assert torch.equal(ops.linear_i8g_rows(x[m - 1 :], blocks, block_scales, group), y[m - 1 :])
     got = ops.linear_i8g_rows(x.view(1, m, k), blocks, block_scales, group)
     assert torch.equal(got, y.view(1, m, n))
-    with pytest.raises(RuntimeError, match="group size"):
-        ops.linear_i8g_rows(x, blocks, block_scales, 3)
-    with pytest.raises(RuntimeError, match="scales"):
-        ops.linear_i8g_rows(x, blocks, block_scales.half(), group)
-    with pytest.raises(RuntimeError, match="features"):
-        ops.linear_i8g_rows(x[:, 1:], blocks, block_scales, group)
+    _i8g_refuses_bad_input(ops.linear_i8g_rows, x, blocks, block_scales, group)
 
 
 @needs_amx
@@ -449,12 +455,7 @@ def test_linear_i8g_amx_matches_bf16_weight(m, n, k, group, scale_dtype):
     torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=atol)
     if (m <= I8G_ROWS_MAX) == (m - m // 3 <= I8G_ROWS_MAX):  # the same kernel for both
         assert torch.equal(ops.linear_i8g_amx(x[m // 3 :], tiles, tile_scales, group), y[m // 3 :])
-    with pytest.raises(RuntimeError, match="group size"):
-        ops.linear_i8g_amx(x, tiles, tile_scales, 3)
-    with pytest.raises(RuntimeError, match="scales"):
-        ops.linear_i8g_amx(x, tiles, tile_scales.half(), group)
-    with pytest.raises(RuntimeError, match="features"):
-        ops.linear_i8g_amx(x[:, 1:], tiles, tile_scales, group)
+    _i8g_refuses_bad_input(ops.linear_i8g_amx, x, tiles, tile_scales, group)
 
 
 @needs_int4

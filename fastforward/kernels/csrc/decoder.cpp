@@ -80,20 +80,20 @@ struct Linear {
                 rows_max);
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     const auto xb = bf16 && x.is_contiguous() ? x : x.to(at::kBFloat16).contiguous();
+    at::Tensor y;
     if (kind == kQ4 && !linear_q4_takes_amx(rows, q4)) {  // checked in add_linear
       TORCH_CHECK(xb.dim() == 2 && xb.size(1) == w.size(1) * 4, "fused decoder: x of ",
                   xb.sizes(), " for a 4-bit linear of ", w.size(1) * 4, " inputs");
-      auto y = at::empty({rows, n}, xb.options());
+      y = at::empty({rows, n}, xb.options());
       linear_q4_out(xb, w, aux, q4, group, y);
-      if (!bf16) y = y.to(x.scalar_type());
-      return bias ? y + *bias : y;
+    } else {
+      y = kind == kQ4      ? linear_q4(xb, w, aux, table, group)  // on AMX tiles
+          : kind == kQ5    ? linear_q5(xb, w, aux, group)
+          : kind == kI8G   ? (amx_native() ? linear_i8g_amx(xb, w, aux, group)
+                                           : linear_i8g_rows(xb, w, aux, group))
+          : w.dim() == 4 ? linear_i8_rows(xb, w, aux)  // codes in blocks of 16 rows
+                         : at::_weight_int8pack_mm(xb, w, aux);
     }
-    auto y = kind == kQ4      ? linear_q4(xb, w, aux, table, group)
-             : kind == kQ5    ? linear_q5(xb, w, aux, group)
-             : kind == kI8G   ? (amx_native() ? linear_i8g_amx(xb, w, aux, group)
-                                              : linear_i8g_rows(xb, w, aux, group))
-             : w.dim() == 4 ? linear_i8_rows(xb, w, aux)  // codes in blocks of 16 rows
-                            : at::_weight_int8pack_mm(xb, w, aux);
     if (!bf16) y = y.to(x.scalar_type());
     if (bias) y = y + *bias;
     return y;

@@ -112,9 +112,9 @@ void for_row_blocks(int64_t blocks, int64_t M, int64_t block_bytes, F&& kernel) 
 // is code[i][4q + j], of hi code[i][4q + 2 + j] -- and meet the rows' int16 pairs in exact int32
 // dot products per group (vpdpwssd), then y += s * xs * d + z * sum(x) with
 // (s, z) = Codes::scale_zero(tile, group). One row keeps the quads' two halves in two chains per
-// tile to cover vpdpwssd's latency; more rows have MR x NT chains already. There the high half
-// comes as Codes::words<true>: its codes times 16 (the nibble masked in place, no shift), whose
-// exact int32 sums (multiples of 16) shift back once per group. noinline: kept out of
+// tile to cover vpdpwssd's latency (more rows have MR x NT chains already), its high half as
+// Codes::words<true>: the codes times 16 (the nibble masked in place, no shift), whose exact
+// int32 sums (multiples of 16) shift back once per group. noinline: kept out of
 // for_row_blocks' walk (inlined there, the [3072, 576] int4 matrix from L3 took 62-65 us
 // against 39-46).
 template <int MR, int NT, typename Codes>

@@ -244,6 +244,7 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
 // 120 calls do not check, allocate or dispatch again.
 void linear_q4_out(const at::Tensor& xc, const at::Tensor& wq, const at::Tensor& sz,
                    const Q4Table& t, int64_t group_size, at::Tensor& y) {
+#ifdef FF_Q4_INT  // FF_Q4 (codebook tables) implies it
   const int64_t M = xc.size(0), K = xc.size(1), tiles = wq.size(0), N = tiles * 16;
   const int64_t G = K / group_size;
   if (M == 0) return;
@@ -253,7 +254,6 @@ void linear_q4_out(const at::Tensor& xc, const at::Tensor& wq, const at::Tensor&
   const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t qpg = group_size / 4;
-#ifdef FF_Q4_INT
   if (t.int4) {
     std::vector<int16_t> xq(M * K);
     std::vector<float> xs(M * G), sx(M * G);
@@ -266,7 +266,6 @@ void linear_q4_out(const at::Tensor& xc, const at::Tensor& wq, const at::Tensor&
     });
     return;
   }
-#endif
 #ifdef FF_Q4
   // Per row and group, the sum of x (the zeros' term).
   std::vector<float> sx(C == 2 ? M * G : 0);
@@ -284,7 +283,9 @@ void linear_q4_out(const at::Tensor& xc, const at::Tensor& wq, const at::Tensor&
                                                    qpg, tv, t0, yp + m0 * N, N);
   });
 #endif
-  (void)xp, (void)wp, (void)sp, (void)yp, (void)qpg, (void)C, (void)N, (void)G;
+#else
+  TORCH_CHECK(false, "linear_q4 needs AVX512-VNNI (this build has no 4-bit kernel)");
+#endif
 }
 
 // The weight [N, K] as float32 or bf16 (out's dtype, written here): w = table[code] * s (+ z),
