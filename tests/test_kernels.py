@@ -77,14 +77,14 @@ def test_packed_linear_without_native_bf16_takes_fp32_for_large_batches():
         got = lin(x)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
-        if rows >= 4:  # exactly the float32 product
-            want = F.linear(x.float(), wb.float(), b).to(torch.bfloat16)
+        if rows >= 4:  # the float32 product (linear_bf16_gemm), bit for bit
+            want = kernels.ops().linear_bf16_gemm(x, lin.packed, 96, lin.bias, False)
             assert torch.equal(got, want)
     head = PackedLinear(w, None, None, keep_dense=False, packed_rows_max=1 << 62, fp32_out=True,
                         fp32_rows_min=4)  # fmt: skip
     x = torch.randn(5, 64).to(torch.bfloat16)
     assert head(x).dtype == torch.float32
-    assert torch.equal(head(x), F.linear(x.float(), wb.float()))
+    torch.testing.assert_close(head(x), F.linear(x.float(), wb.float()), rtol=1e-5, atol=1e-5)
 
     class Stack:
         def add_linear(self, *args):
@@ -95,6 +95,11 @@ def test_packed_linear_without_native_bf16_takes_fp32_for_large_batches():
 
 needs_amx = pytest.mark.skipif(
     not (kernels.available() and kernels.ops().amx_native()), reason="the CPU has no AMX"
+)
+
+needs_prompt_f32 = pytest.mark.skipif(
+    not (kernels.available() and kernels.ops().prefill_attention_f32_native(64)),
+    reason="paged_prefill_attention needs AVX-512",
 )
 
 
@@ -513,6 +518,46 @@ def test_linear_bf16_rejects_bad_shapes():
         ops.linear_bf16(torch.randn(2, 16), packed, 64, None)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp32_out", [False, True])
+@pytest.mark.parametrize(
+    ("m", "k", "n"), [(1, 64, 16), (130, 100, 200), (64, 576, 96), (7, 33, 1000)]
+)  # fmt: skip
+def test_linear_bf16_gemm_matches_float64(x_dtype, fp32_out, m, k, n):
+    """The float32 GEMM on the packed weight expanded a chunk at a time: several chunks (n 200
+    and 1,000: 13 and 63 tiles of 16, chunks of 6), a last tile cut short, k not a multiple of
+    16, one row; the float64 product of the same bf16 numbers within float32 rounding (then
+    the output's dtype), with and without a bias, in 3-D too."""
+    torch.manual_seed(m + k + n)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    x = torch.randn(m, k).to(x_dtype)
+    ops = kernels.ops()
+    packed = ops.pack_linear_weight(w)
+    for b in (None, torch.randn(n)):
+        y = ops.linear_bf16_gemm(x, packed, n, b, fp32_out)
+        ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+        want = torch.float32 if fp32_out else x_dtype
+        assert y.dtype == want and y.shape == (m, n)
+        tol = 1e-5 if want == torch.float32 else 1e-2
+        torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * k**0.5)
+        y3 = ops.linear_bf16_gemm(x.view(1, m, k), packed, n, b, fp32_out)
+        assert torch.equal(y3, y.view(1, m, n))
+
+
+def test_linear_bf16_gemm_rejects_bad_input():
+    ops = kernels.ops()
+    packed = ops.pack_linear_weight(torch.randn(32, 16))
+    with pytest.raises(RuntimeError, match="features"):
+        ops.linear_bf16_gemm(torch.randn(2, 15), packed, 32, None, False)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.linear_bf16_gemm(torch.randn(2, 16), packed, 64, None, False)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.linear_bf16_gemm(torch.ones(2, 16, dtype=torch.int32), packed, 32, None, False)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.linear_bf16_gemm(torch.randn(2, 16), packed, 32, torch.randn(31), False)
+    assert ops.linear_bf16_gemm(torch.randn(0, 16), packed, 32, None, False).shape == (0, 32)
+
+
 def _random_batch(query_lens, context_lens, kvh, d, block_size, dtype, seed):
     """A KV cache with random contents and a shuffled block assignment, plus metadata."""
     g = torch.Generator().manual_seed(seed)
@@ -652,39 +697,111 @@ def test_attention_mixed_step_splits_decode_rows_from_prefill_chunks(monkeypatch
 
 
 @pytest.mark.parametrize(
-    ("context", "dtype", "amx"),
+    ("context", "dtype", "amx", "f32"),
     [
-        (0, torch.float32, False),
-        (0, torch.bfloat16, False),
-        (9, torch.float32, False),
-        (40, torch.bfloat16, False),
-        pytest.param(0, torch.bfloat16, True, marks=needs_amx),
-        pytest.param(40, torch.bfloat16, True, marks=needs_amx),
+        (0, torch.float32, False, False),
+        (0, torch.bfloat16, False, False),
+        (9, torch.float32, False, False),
+        (40, torch.bfloat16, False, False),
+        pytest.param(0, torch.bfloat16, True, False, marks=needs_amx),
+        pytest.param(40, torch.bfloat16, True, False, marks=needs_amx),
+        pytest.param(0, torch.bfloat16, False, True, marks=needs_prompt_f32),
+        pytest.param(40, torch.float32, False, True, marks=needs_prompt_f32),
     ],
 )
-def test_attention_one_prompt_skips_the_reference_path(monkeypatch, context, dtype, amx):
+def test_attention_one_prompt_skips_the_reference_path(monkeypatch, context, dtype, amx, f32):
     """One prompt runs on the step's own q, k, v, without the reference path: SDPA with no
     cached context in causal mode, with context (a partial block, several blocks) as the cached
-    keys and the new ones merged by their log-sum-exps, or (bf16 on an AMX CPU)
-    prefill_attention_amx over the cached keys and the new ones; the reference path's output
-    in every case."""
+    keys and the new ones merged by their log-sum-exps, or over the cached keys and the new
+    ones in one call of a prompt kernel (bf16 on an AMX CPU: paged_prefill_attention_amx;
+    AVX-512: paged_prefill_attention); the reference path's output in every case."""
     import fastforward.layers.attention as attention_module
 
     step = _attention_step([40], [context], dtype, seed=5)
 
     def run(use_kernel):
-        return _run_attention_layer(step, use_kernel, kernel_prompts_amx=amx)
+        return _run_attention_layer(
+            step, use_kernel, kernel_prompts_amx=amx, kernel_prompts_f32=f32
+        )
 
     ref = run(False)
-    calls = []
+    calls, prompt_calls = [], []
     original = attention_module.paged_attention
     monkeypatch.setattr(
         attention_module, "paged_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw)
     )
+    for name in ("paged_prefill_attention", "paged_prefill_attention_amx"):
+        op = getattr(torch.ops.fastforward, name)
+        monkeypatch.setattr(
+            torch.ops.fastforward, name, lambda *a, op=op, n=name: prompt_calls.append(n) or op(*a)
+        )
     out = run(True)
     assert not calls
+    kind = "paged_prefill_attention_amx" if amx else "paged_prefill_attention" if f32 else None
+    assert prompt_calls == ([kind] if kind else [])
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@needs_prompt_f32
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "h", "kvh", "d"),
+    [([5], [0], 2, 1, 32), ([40], [0], 9, 3, 64), ([37, 12], [63, 0], 4, 2, 64),
+     ([100], [30], 4, 4, 128), ([1, 17], [16, 0], 8, 1, 16), ([33, 0, 20], [0, 5, 70], 9, 3, 64),
+     ([3] * 13, [0, 5, 70, 69, 0, 1, 2, 3, 4, 5, 6, 7, 8], 6, 3, 32)],
+)  # fmt: skip
+def test_paged_prefill_attention_matches_reference(
+    dtype, block_size, query_lens, context_lens, h, kvh, d
+):
+    """The prompt chunks of a step on AVX-512 float32 FMAs over the paged cache (shuffled
+    blocks, cached contexts, a sequence with no queries, GQA groups of 1-8 heads, items of 3,
+    2 and 1 heads, head dims 16-128, query counts that are not multiples of 16, and enough
+    sequences that a thread takes whole groups): float64 softmax attention of each sequence's
+    queries over its keys as the reference."""
+    cache, meta = _random_batch(query_lens, context_lens, kvh, d, block_size, dtype, seed=h + d)
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(sum(query_lens), h, d, generator=g).to(dtype)
+    table = meta.groups[0].block_tables
+    out = kernels.ops().paged_prefill_attention(
+        q, cache, table, meta.query_start_loc, meta.seq_lens, d**-0.5
+    )
+    assert out.dtype == dtype and out.shape == q.shape
+    qs = meta.query_start_loc.tolist()
+    for b, (t, c) in enumerate(zip(query_lens, context_lens, strict=True)):
+        if not t:
+            continue
+        s = t + c
+        blocks = table[b, : -(-s // block_size)]
+        kk, vv = (cache[i][blocks].flatten(0, 1)[:s].double().repeat_interleave(h // kvh, 1)
+                  for i in range(2))  # fmt: skip
+        scores = torch.einsum("thd,shd->hts", q[qs[b] : qs[b + 1]].double(), kk) * d**-0.5
+        mask = torch.ones(t, s, dtype=torch.bool).tril(c)
+        ref = torch.einsum("hts,shd->thd", scores.masked_fill(~mask, -torch.inf).softmax(-1), vv)
+        tol = 2e-6 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding (2^-9)
+        torch.testing.assert_close(out[qs[b] : qs[b + 1]].double(), ref, rtol=tol, atol=tol)
+
+
+@needs_prompt_f32
+def test_paged_prefill_attention_rejects_bad_input():
+    cache, meta = _random_batch([8, 4], [0, 9], 1, 64, 16, torch.bfloat16, seed=1)
+    q = torch.randn(12, 2, 64).to(torch.bfloat16)
+    table, qsl, lens = meta.groups[0].block_tables, meta.query_start_loc, meta.seq_lens
+    op = kernels.ops().paged_prefill_attention
+    with pytest.raises(RuntimeError, match="both bf16 or both float32"):
+        op(q.float(), cache, table, qsl, lens, 0.1)
+    with pytest.raises(RuntimeError, match="more queries than keys"):
+        op(q, cache, table, qsl, meta.query_lens - 1, 0.1)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        op(q, cache, table + cache.shape[1], qsl, lens, 0.1)
+    with pytest.raises(RuntimeError, match="run from 0"):
+        op(q[1:], cache, table, qsl, lens, 0.1)
+    with pytest.raises(RuntimeError, match="KV heads"):
+        op(torch.randn(12, 3, 64).to(torch.bfloat16), cache.expand(2, -1, -1, 2, -1).contiguous(),
+           table, qsl, lens, 0.1)  # fmt: skip
+    with pytest.raises(RuntimeError, match="head_dim"):
+        op(q[..., :24], cache[..., :24].contiguous(), table, qsl, lens, 0.1)
 
 
 @needs_amx
@@ -710,42 +827,47 @@ def test_prefill_attention_amx_matches_reference(t, s, h, kvh, d):
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
 
 
-@needs_amx
-@pytest.mark.parametrize("amx_window", [None, 20])
-def test_attention_mixed_step_prompts_on_amx(monkeypatch, amx_window):
-    """A bf16 step of several prompt chunks (fresh, over a partial block and over several
-    blocks of context) and decode rows: the chunks go to prefill_attention_amx in one call
-    (each with its context), the decode rows to the paged kernel, and the output equals the
-    reference path's; with a sliding window the chunks stay on the reference path."""
+@pytest.mark.parametrize(
+    ("kind", "dtype"),
+    [
+        pytest.param("amx", torch.bfloat16, marks=needs_amx),
+        pytest.param("f32", torch.bfloat16, marks=needs_prompt_f32),
+        pytest.param("f32", torch.float32, marks=needs_prompt_f32),
+    ],
+)
+@pytest.mark.parametrize("window", [None, 20])
+def test_attention_mixed_step_prompts_in_one_kernel_call(monkeypatch, kind, dtype, window):
+    """A step of several prompt chunks (fresh, over a partial block and over several blocks of
+    context) and decode rows: the chunks go to the prompt kernel in one call (each with its
+    context; AMX tiles, or AVX-512 FMAs), the decode rows to the paged kernel, and the output
+    equals the reference path's; with a sliding window the chunks stay on the reference path."""
     import fastforward.layers.attention as attention_module
 
     query_lens, context_lens = [1, 40, 30, 1, 25, 17], [90, 0, 9, 7, 50, 0]
-    step = _attention_step(query_lens, context_lens, torch.bfloat16, seed=11, h=9, kvh=3, d=64)
+    step = _attention_step(query_lens, context_lens, dtype, seed=11, h=9, kvh=3, d=64)
+    flag = "kernel_prompts_amx" if kind == "amx" else "kernel_prompts_f32"
 
     def run(use_kernel):
-        return _run_attention_layer(
-            step, use_kernel, sliding_window=amx_window, kernel_prompts_amx=True
-        )
+        return _run_attention_layer(step, use_kernel, sliding_window=window, **{flag: True})
 
     ref = run(False)
-    calls, amx_calls = [], []
+    calls, prompt_calls = [], []
     original = attention_module.paged_attention
-    amx = torch.ops.fastforward.paged_prefill_attention_amx
+    name = "paged_prefill_attention_amx" if kind == "amx" else "paged_prefill_attention"
+    op = getattr(torch.ops.fastforward, name)
     monkeypatch.setattr(
         attention_module, "paged_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw)
     )
-
     monkeypatch.setattr(
-        torch.ops.fastforward,
-        "paged_prefill_attention_amx",
-        lambda *a: amx_calls.append(a[3].tolist()) or amx(*a),
+        torch.ops.fastforward, name, lambda *a: prompt_calls.append(a[3].tolist()) or op(*a)
     )
     out = run(True)
-    if amx_window is None:
-        assert not calls and amx_calls == [[0, 40, 70, 95, 112]]  # one call, all four chunks
+    if window is None:
+        assert not calls and prompt_calls == [[0, 40, 70, 95, 112]]  # one call, all four chunks
     else:
-        assert calls and not amx_calls
-    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+        assert calls and not prompt_calls
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
 @needs_amx

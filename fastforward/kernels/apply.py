@@ -132,6 +132,9 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
             module.kernel_prompts_amx = dtype == torch.bfloat16 and bool(
                 kernels.ops().prefill_attention_amx_native(module.head_dim)
             )
+            module.kernel_prompts_f32 = bool(
+                kernels.ops().prefill_attention_f32_native(module.head_dim)
+            )
             report.attention_layers += 1
     if dtype != torch.bfloat16:
         return report

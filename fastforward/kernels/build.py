@@ -35,11 +35,12 @@ SOURCES = (
     "linear_q5.cpp",
     "attention.cpp",
     "attention_amx.cpp",
+    "attention_prompt.cpp",
     "elementwise.cpp",
     "decoder.cpp",
     "ops.cpp",
 )
-HEADERS = ("vec.h", "ops.h", "amx.h", "int16_rows.h", "parallel.h", "expand.h")
+HEADERS = ("vec.h", "ops.h", "amx.h", "int16_rows.h", "parallel.h", "expand.h", "prompts.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG")
 CSRC = Path(__file__).parent / "csrc"
 

@@ -149,11 +149,15 @@ class PackedLinear(nn.Module):
         return y.to(x.dtype)
 
     def _fp32_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T`` in float32 on the weight converted for this call: on a CPU without
-        native bf16 the fp32 GEMM outruns the software-bf16 kernel from ~128 rows on, the
-        conversion included (docs/cpu.md)."""
-        y = F.linear(x.float(), self.weight.float(), self.bias)
-        return y if self.fp32_out else y.to(x.dtype)
+        """``x @ W^T`` in float32 on the weight expanded for this call, a chunk at a time
+        (``linear_bf16_gemm``): on a CPU without native bf16 the fp32 GEMM outruns the
+        software-bf16 kernel from ~128 rows on, the expansion included (docs/cpu.md)."""
+        if self.packed is None:  # tied or AMX copies only: no packed tiles to expand
+            y = F.linear(x.float(), self.weight.float(), self.bias)
+            return y if self.fp32_out else y.to(x.dtype)
+        return torch.ops.fastforward.linear_bf16_gemm(
+            x, self.packed, self.out_features, self.bias, self.fp32_out
+        )
 
     def _rescored(self, x: torch.Tensor, y: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """fp32 logits from oneDNN's bf16 ones (the CPU matmul has no fp32 output for bf16

@@ -32,6 +32,7 @@
 
 #include "amx.h"
 #include "ops.h"
+#include "prompts.h"
 #include "vec.h"
 
 namespace ff {
@@ -221,95 +222,28 @@ void attend(const Shapes& g, const uint16_t* q, const uint16_t* kpad, const uint
   }
 }
 
-// The prompts of a step: sequence b's queries are rows qs[b] .. qs[b + 1] of q [T, H, D] and
-// its keys 0 .. S[b] (the last qs[b + 1] - qs[b] its own); pack(b, h, kpad, vt) packs its KV
-// head h. Work goes out from a shared counter, sequences with the most work first. With enough
-// (sequence, KV head) groups to keep the threads busy, a thread takes a whole group: it packs
-// the group's K and V^T into its own buffer and runs all its items (chunks of query heads x
-// query blocks) while they are in its cache (32 prompts of 50 tokens over 1,536 cached keys
-// spent most of their time re-reading packed keys from memory when all were packed first).
-// Otherwise (one long prompt: 3 groups on 2 threads) every group is packed first and the items
-// go out one by one, the longest query blocks first.
+// The prompts of a step (schedule_prompts): sequence b's queries are rows qs[b] .. qs[b + 1]
+// of q [T, H, D] and its keys 0 .. S[b] (the last qs[b + 1] - qs[b] its own); pack(b, h, kpad,
+// vt) packs its KV head h.
 template <typename Pack>
 void attend_prompts(const uint16_t* qp, uint16_t* op, int64_t H, int64_t KVH, int64_t D,
                     float scale, const std::vector<int64_t>& qs, const std::vector<int64_t>& S,
                     Pack&& pack) {
-  const int64_t B = int64_t(S.size());
   auto k_size = [&](int64_t b) { return (S[b] + KS - 1) / KS * KS * D; };
-  auto head_size = [&](int64_t b) { return 2 * k_size(b); };  // K, then V^T (as many bf16)
-  const int64_t group = H / KVH, chunks = (group + GMAX - 1) / GMAX;
-  std::vector<int64_t> order(B);
-  for (int64_t b = 0; b < B; ++b) order[b] = b;
-  auto work = [&](int64_t b) {  // ~ query-key pairs
-    const int64_t t = qs[b + 1] - qs[b];
-    return t * (S[b] - t) + t * t / 2;
-  };
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return work(a) > work(b); });
-  // item: chunk c of the query heads of KV head h, query block from t0, of sequence b
-  auto run_item = [&](int64_t b, int64_t h, int64_t c0, int64_t t0, const uint16_t* kpad) {
-    const Shapes g{qs[b + 1] - qs[b], S[b], H, KVH, D, scale};
-    attend(g, qp + qs[b] * H * D, kpad, kpad + k_size(b), h * group + c0,
-           std::min(GMAX, group - c0), t0, op + qs[b] * H * D);
-  };
-  auto blocks_desc = [&](int64_t b, auto&& f) {  // a sequence's query blocks, longest first
-    for (int64_t t0 = (qs[b + 1] - qs[b] - 1) / TR * TR; t0 >= 0; t0 -= TR) f(t0);
-  };
-  const int64_t threads = at::get_num_threads();
-  std::atomic<int64_t> next{0};
-  if (B * KVH >= 4 * threads) {
-    int64_t max_size = 0;
-    for (int64_t b = 0; b < B; ++b) max_size = std::max(max_size, head_size(b));
-    at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
-      std::vector<uint16_t> buf(max_size);
-      amx::configure_tiles();
-      for (int64_t w = w0; w < w1; ++w)
-        for (int64_t i = next++; i < B * KVH; i = next++) {
-          const int64_t b = order[i / KVH], h = i % KVH;
-          if (qs[b + 1] == qs[b]) continue;
-          pack(b, h, buf.data(), buf.data() + k_size(b));
-          for (int64_t c = 0; c < chunks; ++c)
-            blocks_desc(b, [&](int64_t t0) { run_item(b, h, c * GMAX, t0, buf.data()); });
-        }
-      _tile_release();
-    });
-    return;
-  }
-  std::vector<int64_t> base(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) base[b + 1] = base[b] + KVH * head_size(b);
-  std::vector<uint16_t> packed(base[B]);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / KVH, h = i % KVH;
-      uint16_t* dst = packed.data() + base[b] + h * head_size(b);
-      pack(b, h, dst, dst + k_size(b));
-    }
-  });
-  struct Work {
-    int64_t seq, t0, kvh, c0;
-  };
-  std::vector<Work> items;
-  for (int64_t b : order)
-    blocks_desc(b, [&](int64_t t0) {
-      for (int64_t h = 0; h < KVH; ++h)
-        for (int64_t c = 0; c < chunks; ++c) items.push_back({b, t0, h, c * GMAX});
-    });
-  auto keys_seen = [&](const Work& w) {  // by the block's first query: context + t0
-    return S[w.seq] - (qs[w.seq + 1] - qs[w.seq]) + w.t0;
-  };
-  std::stable_sort(items.begin(), items.end(),
-                   [&](const Work& a, const Work& b) { return keys_seen(a) > keys_seen(b); });
-  const int64_t n = int64_t(items.size());
-  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t w0, int64_t w1) {
-    amx::configure_tiles();
-    for (int64_t w = w0; w < w1; ++w)
-      for (int64_t i = next++; i < n; i = next++) {
-        const Work& it = items[i];
-        const uint16_t* kpad = packed.data() + base[it.seq] + it.kvh * head_size(it.seq);
-        run_item(it.seq, it.kvh, it.c0, it.t0, kpad);
-      }
-    _tile_release();
-  });
+  const int64_t group = H / KVH;
+  schedule_prompts<uint16_t>(
+      H, KVH, GMAX, TR, qs, S, [&](int64_t b) { return 2 * k_size(b); },  // K, then V^T
+      [&](int64_t b, int64_t h, uint16_t* buf) { pack(b, h, buf, buf + k_size(b)); },
+      [&](int64_t b, int64_t h, int64_t c0, int64_t t0, const uint16_t* kpad) {
+        const Shapes g{qs[b + 1] - qs[b], S[b], H, KVH, D, scale};
+        attend(g, qp + qs[b] * H * D, kpad, kpad + k_size(b), h * group + c0,
+               std::min(GMAX, group - c0), t0, op + qs[b] * H * D);
+      },
+      [](auto&& body) {
+        amx::configure_tiles();
+        body();
+        _tile_release();
+      });
 }
 
 }  // namespace
@@ -378,53 +312,21 @@ at::Tensor paged_prefill_attention_amx(const at::Tensor& q, const at::Tensor& kv
                                        const at::Tensor& block_tables,
                                        const at::Tensor& query_start_loc,
                                        const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.scalar_type() == at::kBFloat16,
-              "kv_cache must be a contiguous bf16 [2, num_blocks, block_size, KVH, D] tensor");
+  const PromptBatch batch(q, kv_cache, block_tables, query_start_loc, seq_lens,
+                          "paged_prefill_attention_amx");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention_amx: kv_cache must be bf16");
   check_prompt_queries(q, kv_cache.size(3));
-  TORCH_CHECK(kv_cache.size(4) == q.size(2), "head_dim of q and the cache differ");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
-                  query_start_loc.scalar_type() == at::kLong &&
-                  seq_lens.scalar_type() == at::kLong && query_start_loc.dim() == 1 &&
-                  seq_lens.dim() == 1,
-              "block_tables [B, W], query_start_loc [B + 1] and seq_lens [B] must be int64");
-  const int64_t B = seq_lens.size(0), NB = kv_cache.size(1), BS = kv_cache.size(2);
-  TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_tables.size(0) == B,
-              "metadata sizes disagree");
-  auto qsl = query_start_loc.contiguous(), sl = seq_lens.contiguous();
-  auto tables = block_tables.contiguous();
-  const std::vector<int64_t> qs(qsl.data_ptr<int64_t>(), qsl.data_ptr<int64_t>() + B + 1);
-  const std::vector<int64_t> S(sl.data_ptr<int64_t>(), sl.data_ptr<int64_t>() + B);
-  const int64_t W = tables.size(1);
-  const int64_t* tab = tables.data_ptr<int64_t>();
-  TORCH_CHECK(qs[0] == 0 && qs[B] == q.size(0), "query_start_loc must run from 0 to ", q.size(0));
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(qs[b + 1] >= qs[b] && qs[b + 1] - qs[b] <= S[b], "sequence ", b,
-                " has more queries than keys");
-    TORCH_CHECK((S[b] + BS - 1) / BS <= W, "sequence ", b, " outgrows its block table");
-    for (int64_t i = 0; i < (S[b] + BS - 1) / BS; ++i)
-      TORCH_CHECK(tab[b * W + i] >= 0 && tab[b * W + i] < NB, "block ", tab[b * W + i],
-                  " outside the cache");
-  }
 #ifdef FF_AMX
   auto qc = q.contiguous();
   auto out = at::empty_like(qc);
   if (q.size(0) == 0) return out;
   const int64_t H = q.size(1), D = q.size(2), KVH = kv_cache.size(3);
   const auto* cp = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr());
-  const int64_t half = NB * BS * KVH * D;  // K half -> V half
   attend_prompts(reinterpret_cast<const uint16_t*>(qc.data_ptr()),
-                 reinterpret_cast<uint16_t*>(out.data_ptr()), H, KVH, D, float(scale), qs, S,
-                 [&](int64_t b, int64_t h, uint16_t* kpad, uint16_t* vt) {
-                   const int64_t* row = tab + b * W;
-                   pack_head([&](int64_t k0, int64_t n, const uint16_t** kr, const uint16_t** vr) {
-                     int64_t blk = k0 / BS, off = k0 % BS;  // one division per 32 keys
-                     for (int64_t j = 0; j < n; ++j) {
-                       kr[j] = cp + ((row[blk] * BS + off) * KVH + h) * D;
-                       vr[j] = kr[j] + half;
-                       if (++off == BS) off = 0, ++blk;
-                     }
-                   }, S[b], D, kpad, vt);
+                 reinterpret_cast<uint16_t*>(out.data_ptr()), H, KVH, D, float(scale), batch.qs,
+                 batch.S, [&](int64_t b, int64_t h, uint16_t* kpad, uint16_t* vt) {
+                   pack_head(batch.rows(cp, KVH, D, b, h), batch.S[b], D, kpad, vt);
                  });
   return out;
 #else

@@ -14,6 +14,13 @@
 #include "parallel.h"
 #include "vec.h"
 
+// The BLAS's sgemm as libtorch_cpu exports it (MKL on x86 builds), weak: a PyTorch without it
+// still loads the kernels, and linear_bf16_gemm multiplies through at::mm instead.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc) __attribute__((weak));
+
 namespace ff {
 namespace {
 
@@ -34,6 +41,24 @@ template <typename T>
 inline float xval(const T* x, int64_t i) {
   if constexpr (std::is_same_v<T, uint16_t>) return bf16_to_float(x[i]);
   else return x[i];
+}
+
+// Column-major C [m, n] (ldc) = A [m, k] (lda) B [k, n] (ldb k), on one thread where the
+// caller is a parallel region's: the BLAS's sgemm, else at::mm on row-major views of the same
+// memory (C^T = B^T A^T).
+void sgemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, float* c,
+           int64_t ldc) {
+  if (sgemm_ != nullptr) {
+    const int mi = m, ni = n, ki = k, ldai = lda, ldci = ldc;
+    const float one = 1.f, zero = 0.f;
+    sgemm_("N", "N", &mi, &ni, &ki, &one, a, &ldai, b, &ki, &zero, c, &ldci);
+    return;
+  }
+  const auto opt = at::TensorOptions().dtype(at::kFloat);
+  auto at_ = at::from_blob(const_cast<float*>(a), {k, m}, {lda, 1}, opt);
+  auto bt = at::from_blob(const_cast<float*>(b), {n, k}, {k, 1}, opt);
+  auto ct = at::from_blob(c, {n, m}, {ldc, 1}, opt);
+  ct.copy_(at::mm(bt, at_));
 }
 
 // Address of W[col][k] in the packed layout, col a multiple of VL.
@@ -171,6 +196,83 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N
   } else {
     TORCH_CHECK(false, "linear_bf16: x must be float32 or bfloat16, got ", x.scalar_type());
   }
+  return y.view(out_sizes);
+}
+
+// y = x @ W^T for many rows on a CPU without native bf16 matmul: float32 GEMM (the BLAS's
+// sgemm, one thread per chunk) on the packed bf16 weight expanded a chunk of GEMM_TILES tiles
+// at a time into a per-thread float32 buffer, laid out [K][columns] so the expansion is a
+// straight copy of each tile's 16-wide rows. Against converting the whole weight per call
+// (unpack, then .float(): two fresh copies the size of the weight, ~13% of a 512-token
+// prefill's matmul time here) the chunk is expanded into cache and multiplied at once, and the
+// bias and the conversion of the output happen on the chunk too. fp32 accumulation; x bf16 or
+// float32; y float32 when fp32_out, else x's dtype.
+at::Tensor linear_bf16_gemm(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
+                            const std::optional<at::Tensor>& bias, bool fp32_out) {
+  TORCH_CHECK(wpacked.dim() == 3 && wpacked.size(2) == TILE &&
+                  wpacked.scalar_type() == at::kBFloat16 && wpacked.is_contiguous(),
+              "packed weight must be a contiguous [N/16, K, 16] bf16 tensor");
+  const int64_t K = wpacked.size(1), tiles = wpacked.size(0);
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight expects ", K);
+  TORCH_CHECK(N > 0 && tiles * TILE >= N && (tiles - 1) * TILE < N,
+              "N=", N, " does not match the packed weight");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "linear_bf16_gemm: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(K <= std::numeric_limits<int>::max() && N <= std::numeric_limits<int>::max(),
+              "linear_bf16_gemm: K and N must fit the BLAS's int");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "bias must have ", N, " entries");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const auto xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  const bool f32 = fp32_out || x.scalar_type() == at::kFloat;
+  auto y = at::empty({M, N}, x.options().dtype(f32 ? at::kFloat : at::kBFloat16));
+  if (M == 0) return y.view(out_sizes);
+  TORCH_CHECK(M <= std::numeric_limits<int>::max(), "linear_bf16_gemm: too many rows");
+  const float* xp = xf.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const auto* wp = reinterpret_cast<const uint16_t*>(wpacked.data_ptr());
+  constexpr int64_t GEMM_TILES = 6;  // 96 columns: SmolLM2's 576 in six even chunks
+  const int64_t chunks = (tiles + GEMM_TILES - 1) / GEMM_TILES;
+  std::atomic<int64_t> next{0};  // chunks handed out one at a time (as dynamic_for)
+  const int64_t threads = std::min<int64_t>(chunks, at::get_num_threads());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> wf(GEMM_TILES * TILE * K);
+    std::vector<float> yc(f32 && !bp ? 0 : M * GEMM_TILES * TILE);
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      const int64_t t0 = c * GEMM_TILES, nt = std::min(GEMM_TILES, tiles - t0);
+      const int64_t ld = nt * TILE, n0 = t0 * TILE, cols = std::min(ld, N - n0);
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t t = 0; t < nt; ++t)
+          for (int j = 0; j < TILE; j += VL)
+            store(wf.data() + k * ld + t * TILE + j, load_bf16(wp + ((t0 + t) * K + k) * TILE + j));
+      // column-major BLAS: C [cols, M] = A [cols, K] (wf, lda ld) x B [K, M] (x's rows)
+      float* cp = yc.empty() ? y.data_ptr<float>() + n0 : yc.data();
+      const int64_t ldc = yc.empty() ? N : cols;
+      sgemm(cols, M, K, wf.data(), ld, xp, cp, ldc);
+      if (yc.empty()) continue;
+      for (int64_t r = 0; r < M; ++r) {
+        const float* src = yc.data() + r * cols;
+        if (f32) {
+          float* dst = y.data_ptr<float>() + r * N + n0;
+          for (int64_t i = 0; i < cols; ++i) dst[i] = src[i] + bp[n0 + i];
+        } else {
+          auto* dst = reinterpret_cast<uint16_t*>(y.data_ptr()) + r * N + n0;
+          int64_t i = 0;
+          for (; i + VL <= cols; i += VL) {
+            vf v = load(src + i);
+            if (bp) v += load(bp + n0 + i);
+            store_bf16(dst + i, v);
+          }
+          for (; i < cols; ++i) dst[i] = float_to_bf16(src[i] + (bp ? bp[n0 + i] : 0.f));
+        }
+      }
+    }
+  });
   return y.view(out_sizes);
 }
 

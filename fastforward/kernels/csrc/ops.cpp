@@ -8,6 +8,8 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &ff::pack_linear_weight);
   m.def("unpack_linear_weight(Tensor wpacked, int N) -> Tensor", &ff::unpack_linear_weight);
   m.def("linear_bf16(Tensor x, Tensor wpacked, int N, Tensor? bias) -> Tensor", &ff::linear_bf16);
+  m.def("linear_bf16_gemm(Tensor x, Tensor wpacked, int N, Tensor? bias, bool fp32_out) -> Tensor",
+        &ff::linear_bf16_gemm);
   m.def("rescore_logits(Tensor y, Tensor x, Tensor w, Tensor? bias, int k) -> Tensor",
         &ff::rescore_logits);
   m.def("amx_native() -> bool", &ff::amx_native);
@@ -29,6 +31,11 @@ TORCH_LIBRARY(fastforward, m) {
       "paged_prefill_attention_amx(Tensor q, Tensor kv_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor",
       &ff::paged_prefill_attention_amx);
+  m.def("prefill_attention_f32_native(int head_dim) -> bool", &ff::prefill_attention_f32_native);
+  m.def(
+      "paged_prefill_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor",
+      &ff::paged_prefill_attention);
   m.def("linear_i8g_amx(Tensor x, Tensor codes, Tensor scales, int group_size) -> Tensor",
         &ff::linear_i8g_amx);
   m.def("int8_rows_native() -> bool", &ff::int8_rows_native);

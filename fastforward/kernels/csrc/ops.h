@@ -8,6 +8,8 @@
 namespace ff {
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor unpack_linear_weight(const at::Tensor& wpacked, int64_t N);
+at::Tensor linear_bf16_gemm(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
+                            const std::optional<at::Tensor>& bias, bool fp32_out);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
                        const std::optional<at::Tensor>& bias);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
@@ -51,6 +53,11 @@ void linear_q4_out(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
 at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                          const at::Tensor& table, int64_t group_size);
 bool prefill_attention_amx_native(int64_t head_dim);
+bool prefill_attention_f32_native(int64_t head_dim);
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                   const at::Tensor& block_tables,
+                                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                                   double scale);
 at::Tensor prefill_attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  double scale);
 at::Tensor paged_prefill_attention_amx(const at::Tensor& q, const at::Tensor& kv_cache,
