@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "parallel.h"
@@ -241,22 +242,23 @@ at::Tensor linear_bf16_gemm(const at::Tensor& x, const at::Tensor& wpacked, int6
   std::atomic<int64_t> next{0};  // chunks handed out one at a time (as dynamic_for)
   const int64_t threads = std::min<int64_t>(chunks, at::get_num_threads());
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> wf(GEMM_TILES * TILE * K);
-    std::vector<float> yc(f32 && !bp ? 0 : M * GEMM_TILES * TILE);
+    // uninitialized: every element read is written first
+    const std::unique_ptr<float[]> wf(new float[GEMM_TILES * TILE * K]);
+    const bool direct = f32 && !bp;  // sgemm writes y itself
+    const std::unique_ptr<float[]> yc(direct ? nullptr : new float[M * GEMM_TILES * TILE]);
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
       const int64_t t0 = c * GEMM_TILES, nt = std::min(GEMM_TILES, tiles - t0);
       const int64_t ld = nt * TILE, n0 = t0 * TILE, cols = std::min(ld, N - n0);
       for (int64_t k = 0; k < K; ++k)
         for (int64_t t = 0; t < nt; ++t)
           for (int j = 0; j < TILE; j += VL)
-            store(wf.data() + k * ld + t * TILE + j, load_bf16(wp + ((t0 + t) * K + k) * TILE + j));
+            store(wf.get() + k * ld + t * TILE + j, load_bf16(wp + ((t0 + t) * K + k) * TILE + j));
       // column-major BLAS: C [cols, M] = A [cols, K] (wf, lda ld) x B [K, M] (x's rows)
-      float* cp = yc.empty() ? y.data_ptr<float>() + n0 : yc.data();
-      const int64_t ldc = yc.empty() ? N : cols;
-      sgemm(cols, M, K, wf.data(), ld, xp, cp, ldc);
-      if (yc.empty()) continue;
+      float* cp = direct ? y.data_ptr<float>() + n0 : yc.get();
+      sgemm(cols, M, K, wf.get(), ld, xp, cp, direct ? N : cols);
+      if (direct) continue;
       for (int64_t r = 0; r < M; ++r) {
-        const float* src = yc.data() + r * cols;
+        const float* src = yc.get() + r * cols;
         if (f32) {
           float* dst = y.data_ptr<float>() + r * N + n0;
           for (int64_t i = 0; i < cols; ++i) dst[i] = src[i] + bp[n0 + i];
