@@ -30,10 +30,14 @@ KERNEL_MODES = ("auto", "native", "torch")
 # bf16 the packed kernel serves batches below FP32_ROWS_MIN.
 PACKED_ROWS_MAX_NATIVE_BF16 = 8
 # Without native bf16, batches of this many rows or more multiply in float32 on the weight
-# converted per call: a 3072 x 576 matrix on a Xeon with AVX-512 but no AVX512-BF16 took
-# 2.7 ms packed / 2.5 ms converted + fp32 at 128 rows, 1.4 / 1.9 at 64, 10.8 / 7.0 at 512 (a
-# throwaway timing script).
-FP32_ROWS_MIN = 128
+# expanded a chunk at a time (linear_bf16_gemm), the rest on the packed kernel: SmolLM2's 120
+# layer matrices from memory on a Xeon with AVX-512 but no AVX512-BF16, three alternating
+# rounds, ms: 32 rows 52.4 / 53.6 / 53.9 packed against 52.0 / 53.5 / 56.6 in float32, 48 rows
+# 78.7 / 82.1 / 72.3 against 69.8 / 75.8 / 64.4, 64 rows 104.0 / 92.1 / 99.4 against 87.2 /
+# 87.1 / 90.1 (a throwaway timing script); batch 64 x 128 new tokens 198 / 273 / 301 / 277 tok/s
+# at 128 rows against 294 / 321 / 291 / 330 at 48 (alternating processes). (128 while the
+# float32 path converted the whole weight per call.)
+FP32_ROWS_MIN = 48
 # With AMX tiles (kernels/linear.py linear_amx) the crossover is at 1-2 rows: the same 120
 # matrices took 9.7 ms packed / 9.8 ms AMX at 1 row, 9.8 / 9.6 at 2, 15.2 / 10.2 at 8 and
 # 22.8 / 9.7 at 16 (the weights from memory; a throwaway timing script).
