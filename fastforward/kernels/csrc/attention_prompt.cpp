@@ -14,8 +14,9 @@
 // (schedule_prompts in prompts.h hands out the work).
 //
 // Against PyTorch's CPU flash attention (the path these CPUs took before; Xeon without
-// AVX512-BF16, 2 threads, SmolLM2's 9 heads over 3 KV heads, bf16, a throwaway timing script),
-// a layer: see docs/cpu.md.
+// AVX512-BF16, 2 threads, SmolLM2's 9 heads over 3 KV heads, a throwaway timing script,
+// alternating), a layer of 512 fresh tokens: bf16 1.68-1.86 ms against 4.19-4.23, float32
+// 1.57-1.74 against 3.73-4.02.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
