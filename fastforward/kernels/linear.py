@@ -9,8 +9,9 @@ batches take oneDNN on the weight unpacked from the tiles), which then serves si
 (vdpbf16ps on the same tiles) and is the only copy kept, else oneDNN's blocked layout
 where PyTorch can prepack it (``mkldnn::_reorder_linear_weight``; ``F.linear`` on a plain weight
 reorders it on every call, which cost 1.3-2x at 16-64 rows on an AMX Xeon), else the dense
-``[N, K]`` weight. On a CPU without native bf16 the packed kernel serves every batch and no
-second copy is kept.
+``[N, K]`` weight. On a CPU without native bf16 no second copy is kept: the packed kernel
+serves batches below ``fp32_rows_min``, larger ones multiply in float32 on the packed weight
+expanded a chunk at a time (``linear_bf16_gemm``).
 """
 
 from __future__ import annotations
@@ -149,12 +150,10 @@ class PackedLinear(nn.Module):
         return y.to(x.dtype)
 
     def _fp32_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T`` in float32 on the weight expanded for this call, a chunk at a time
-        (``linear_bf16_gemm``): on a CPU without native bf16 the fp32 GEMM outruns the
-        software-bf16 kernel from ~128 rows on, the expansion included (docs/cpu.md)."""
-        if self.packed is None:  # tied or AMX copies only: no packed tiles to expand
-            y = F.linear(x.float(), self.weight.float(), self.bias)
-            return y if self.fp32_out else y.to(x.dtype)
+        """``x @ W^T`` in float32 on the packed weight expanded for this call, a chunk at a
+        time (``linear_bf16_gemm``): on a CPU without native bf16 (so no AMX tiles, and the
+        packed copy is always kept) the fp32 GEMM outruns the software-bf16 kernel from ~48
+        rows on, the expansion included (``FP32_ROWS_MIN``, docs/cpu.md)."""
         return torch.ops.fastforward.linear_bf16_gemm(
             x, self.packed, self.out_features, self.bias, self.fp32_out
         )

@@ -237,6 +237,8 @@ at::Tensor linear_bf16_gemm(const at::Tensor& x, const at::Tensor& wpacked, int6
   const float* xp = xf.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const auto* wp = reinterpret_cast<const uint16_t*>(wpacked.data_ptr());
+  float* yf = f32 ? y.data_ptr<float>() : nullptr;
+  auto* yh = f32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr());
   constexpr int64_t GEMM_TILES = 6;  // 96 columns: SmolLM2's 576 in six even chunks
   const int64_t chunks = (tiles + GEMM_TILES - 1) / GEMM_TILES;
   std::atomic<int64_t> next{0};  // chunks handed out one at a time (as dynamic_for)
@@ -254,16 +256,16 @@ at::Tensor linear_bf16_gemm(const at::Tensor& x, const at::Tensor& wpacked, int6
           for (int j = 0; j < TILE; j += VL)
             store(wf.get() + k * ld + t * TILE + j, load_bf16(wp + ((t0 + t) * K + k) * TILE + j));
       // column-major BLAS: C [cols, M] = A [cols, K] (wf, lda ld) x B [K, M] (x's rows)
-      float* cp = direct ? y.data_ptr<float>() + n0 : yc.get();
+      float* cp = direct ? yf + n0 : yc.get();
       sgemm(cols, M, K, wf.get(), ld, xp, cp, direct ? N : cols);
       if (direct) continue;
       for (int64_t r = 0; r < M; ++r) {
         const float* src = yc.get() + r * cols;
         if (f32) {
-          float* dst = y.data_ptr<float>() + r * N + n0;
+          float* dst = yf + r * N + n0;
           for (int64_t i = 0; i < cols; ++i) dst[i] = src[i] + bp[n0 + i];
         } else {
-          auto* dst = reinterpret_cast<uint16_t*>(y.data_ptr()) + r * N + n0;
+          uint16_t* dst = yh + r * N + n0;
           int64_t i = 0;
           for (; i + VL <= cols; i += VL) {
             vf v = load(src + i);

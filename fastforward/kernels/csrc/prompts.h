@@ -112,17 +112,17 @@ void schedule_prompts(int64_t H, int64_t KVH, int64_t gmax, int64_t block,
   if (B * KVH >= 4 * threads) {
     int64_t max_size = 0;
     for (int64_t b = 0; b < B; ++b) max_size = std::max(max_size, head_size(b));
-    at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
+    // each thread drains the shared counter (a second share of the same thread finds it empty)
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       std::vector<Elem> buf(max_size);
       thread([&] {
-        for (int64_t w = w0; w < w1; ++w)
-          for (int64_t i = next++; i < B * KVH; i = next++) {
-            const int64_t b = order[i / KVH], h = i % KVH;
-            if (qs[b + 1] == qs[b]) continue;
-            pack(b, h, buf.data());
-            for (int64_t c = 0; c < chunks; ++c)
-              blocks_desc(b, [&](int64_t t0) { run(b, h, c * gmax, t0, buf.data()); });
-          }
+        for (int64_t i = next++; i < B * KVH; i = next++) {
+          const int64_t b = order[i / KVH], h = i % KVH;
+          if (qs[b + 1] == qs[b]) continue;
+          pack(b, h, buf.data());
+          for (int64_t c = 0; c < chunks; ++c)
+            blocks_desc(b, [&](int64_t t0) { run(b, h, c * gmax, t0, buf.data()); });
+        }
       });
     });
     return;
@@ -151,14 +151,13 @@ void schedule_prompts(int64_t H, int64_t KVH, int64_t gmax, int64_t block,
   std::stable_sort(items.begin(), items.end(),
                    [&](const Work& a, const Work& b) { return keys_seen(a) > keys_seen(b); });
   const int64_t n = int64_t(items.size());
-  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t w0, int64_t w1) {
+  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
     thread([&] {
-      for (int64_t w = w0; w < w1; ++w)
-        for (int64_t i = next++; i < n; i = next++) {
-          const Work& it = items[i];
-          run(it.seq, it.kvh, it.c0, it.t0,
-              packed.data() + base[it.seq] + it.kvh * head_size(it.seq));
-        }
+      for (int64_t i = next++; i < n; i = next++) {
+        const Work& it = items[i];
+        run(it.seq, it.kvh, it.c0, it.t0,
+            packed.data() + base[it.seq] + it.kvh * head_size(it.seq));
+      }
     });
   });
 }
