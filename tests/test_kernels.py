@@ -598,6 +598,9 @@ CASES = [
     ([1] * 8, [40, 90, 16, 17, 33, 1, 200, 64], 9, 3, 64, None, None),
     ([1] * 6 + [2], [40, 90, 16, 17, 33, 1, 30], 9, 3, 64, 25, None),
     ([1], [2000], 9, 3, 64, None, None),  # all heads per item, the key range split in parts
+    # 513 keys in 8 parts of whole blocks (80 keys with blocks of 16): the last part would start
+    # past the sequence's end (it read the block table past its row, a crash on 2 threads)
+    ([1], [512], 9, 3, 64, None, None),
     ([1, 1], [1500, 40], 9, 3, 64, 300, None),
 ]
 

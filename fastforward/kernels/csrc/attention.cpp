@@ -720,9 +720,14 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
     for (int64_t t0 = qs[b]; t0 < qs[b] + qlen; t0 += g.qc) {
       const int64_t nt = std::min(g.qc, qs[b] + qlen - t0);
       const int64_t nh = all_heads(nt) ? g.KVH : 1;
+      // Rounding the parts up to whole blocks can leave the last ones past the sequence's end
+      // (one sequence of 513 keys in 8 parts: 80 keys each, the 8th from key 560): those are
+      // empty, [sl, sl). Unclamped, an item's keys ran from sl to its start and read the block
+      // table past its row (a crash, or keys from a block that is not the sequence's).
       for (int64_t h = 0; h < g.KVH; h += nh)
         for (int64_t p = 0; p < parts; ++p)
-          items.push_back({b, h, t0, nt, p * step, std::min((p + 1) * step, sl[b]), nh});
+          items.push_back({b, h, t0, nt, std::min(p * step, sl[b]),
+                           std::min((p + 1) * step, sl[b]), nh});
     }
   }
   const int64_t D = g.D, stride = ROWS_MAX * (D + 2);
