@@ -12,6 +12,7 @@
 #include <memory>
 #include <vector>
 
+#include "ops.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -168,6 +169,17 @@ at::Tensor unpack_linear_weight(const at::Tensor& wpacked, int64_t N) {
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
                        const std::optional<at::Tensor>& bias) {
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  auto y = at::empty({x.numel() / std::max<int64_t>(x.size(-1), 1), N}, x.options());
+  linear_bf16_out(x, wpacked, N, bias, y);
+  return y.view(out_sizes);
+}
+
+// linear_bf16 into y, a contiguous [rows, N] tensor of x's dtype (the fused decoder stack's
+// buffers for few-token steps).
+void linear_bf16_out(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
+                     const std::optional<at::Tensor>& bias, at::Tensor& y) {
   TORCH_CHECK(wpacked.dim() == 3 && wpacked.size(2) == TILE &&
                   wpacked.scalar_type() == at::kBFloat16 && wpacked.is_contiguous(),
               "packed weight must be a contiguous [N/16, K, 16] bf16 tensor");
@@ -175,11 +187,11 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight expects ", K);
   TORCH_CHECK(N > 0 && wpacked.size(0) * TILE >= N && (wpacked.size(0) - 1) * TILE < N,
               "N=", N, " does not match the packed weight");
-  auto xc = x.reshape({-1, K}).contiguous();
+  const auto xc = x.dim() == 2 && x.is_contiguous() ? x : x.reshape({-1, K}).contiguous();
   const int64_t M = xc.size(0);
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = N;
-  auto y = at::empty({M, N}, x.options());
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.is_contiguous() &&
+                  y.scalar_type() == x.scalar_type(),
+              "linear_bf16: the output must be a contiguous [", M, ", ", N, "] tensor of x's dtype");
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     // padded to whole tiles so the vector add never reads past the end
@@ -188,7 +200,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N
   }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const auto* wp = reinterpret_cast<const uint16_t*>(wpacked.data_ptr());
-  if (M == 0) return y.view(out_sizes);
+  if (M == 0) return;
   if (x.scalar_type() == at::kFloat) {
     linear_impl(xc.data_ptr<float>(), wp, bp, y.data_ptr<float>(), M, K, N);
   } else if (x.scalar_type() == at::kBFloat16) {
@@ -197,7 +209,6 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N
   } else {
     TORCH_CHECK(false, "linear_bf16: x must be float32 or bfloat16, got ", x.scalar_type());
   }
-  return y.view(out_sizes);
 }
 
 // y = x @ W^T for many rows on a CPU without native bf16 matmul: float32 GEMM (the BLAS's

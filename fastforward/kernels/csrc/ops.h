@@ -12,6 +12,8 @@ at::Tensor linear_bf16_gemm(const at::Tensor& x, const at::Tensor& wpacked, int6
                             const std::optional<at::Tensor>& bias, bool fp32_out);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
                        const std::optional<at::Tensor>& bias);
+void linear_bf16_out(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
+                     const std::optional<at::Tensor>& bias, at::Tensor& y);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, int64_t window,
