@@ -99,6 +99,8 @@ struct Linear {
     return y;
   }
 
+  int64_t out_features() const { return kind == kDense ? w.size(0) : n; }
+
   // The same numbers written into y (contiguous [rows, n], x's dtype), where this layer's
   // kernel for x's rows can write in place: the packed bf16 and the 4-bit kernels. False
   // (y untouched) where it cannot; operator() then allocates.
@@ -120,27 +122,35 @@ struct Linear {
   }
 };
 
-// A step of few tokens writes each layer's fused q/k/v projection into one buffer kept
-// between steps, with the q, k and v views over it made once: a decode step no longer builds
-// 3 views of 2 tensors each per layer (~1 us an ATen op on the 2-core Xeon, more between the
-// weight streams' cache misses). Layers run in turn, so one buffer serves them all.
-struct QkvScratch {
+// A step of few tokens (decode) writes each layer's outputs into buffers kept between steps --
+// the fused q/k/v projection (with its q, k and v views made once), o, the two norms, gate/up,
+// the gated activation and down -- where the kernels can write in place (Linear::into), instead
+// of allocating ~10 tensors and views a layer (~1 us an ATen op on the 2-core Xeon, more
+// between the weight streams' cache misses). Layers run in turn, so one set serves them all.
+struct StepScratch {
   static constexpr int64_t kRowsMax = 8;
-  int64_t t = -1, heads = 0, kv_heads = 0, head_dim = 0;
-  at::Tensor qkv, q, k, v;
+  int64_t t = -1, heads = 0, kv_heads = 0, head_dim = 0, hidden = 0, inter = 0;
+  at::Tensor qkv, q, k, v;  // [t, (heads + 2 kv_heads) head_dim] and views
+  at::Tensor a, h, h2, m;   // [t, hidden]: o's output, the two norms' outputs, down's output
+  at::Tensor gu, act;       // [t, 2 inter], [t, inter]
 
-  // The buffer for t tokens of h query and kvh KV heads of d dimensions, with x's dtype and
-  // device (made again when any of them changes).
-  void fit(int64_t t_, int64_t h, int64_t kvh, int64_t d, const at::Tensor& x) {
-    if (t_ == t && h == heads && kvh == kv_heads && d == head_dim &&
-        qkv.scalar_type() == x.scalar_type() && qkv.device() == x.device())
+  // The buffers for t tokens of layer L, with x's dtype and device (made again when any of
+  // them changes).
+  void fit(int64_t t_, const int64_t (&dims)[5], const at::Tensor& x) {
+    if (t_ == t && dims[0] == heads && dims[1] == kv_heads && dims[2] == head_dim &&
+        dims[3] == hidden && dims[4] == inter && qkv.scalar_type() == x.scalar_type() &&
+        qkv.device() == x.device())
       return;
-    t = t_, heads = h, kv_heads = kvh, head_dim = d;
-    const int64_t qd = h * d, kd = kvh * d;
+    t = t_, heads = dims[0], kv_heads = dims[1], head_dim = dims[2], hidden = dims[3];
+    inter = dims[4];
+    const int64_t qd = heads * head_dim, kd = kv_heads * head_dim;
     qkv = at::empty({t, qd + 2 * kd}, x.options());
-    q = qkv.narrow(1, 0, qd).view({t, h, d});
-    k = qkv.narrow(1, qd, kd).view({t, kvh, d});
-    v = qkv.narrow(1, qd + kd, kd).view({t, kvh, d});
+    q = qkv.narrow(1, 0, qd).view({t, heads, head_dim});
+    k = qkv.narrow(1, qd, kd).view({t, kv_heads, head_dim});
+    v = qkv.narrow(1, qd + kd, kd).view({t, kv_heads, head_dim});
+    for (auto* b : {&a, &h, &h2, &m}) *b = at::empty({t, hidden}, x.options());
+    gu = at::empty({t, 2 * inter}, x.options());
+    act = at::empty({t, inter}, x.options());
   }
 };
 
@@ -286,31 +296,42 @@ class DecoderStack : public torch::CustomClassHolder {
     // x = x + delta, then rms_norm(x).
     x = x.contiguous().clone();
     at::Tensor h = rms_norm(x, run[0]->ln1, run[0]->eps1, false);
+    const int64_t t = x.size(0);
     for (size_t i = 0; i < run.size(); ++i) {
       const Layer& L = *run[i];
-      const auto a = attention(L, h, positions, block_tables[L.group], slot_mappings[L.group],
-                               query_start_loc, seq_lens);
-      const auto h2 = add_rms_norm_(x, a.contiguous(), L.ln2, L.eps2, false);
-      const auto m = L.down(gated_act(L.gate_up(h2), L.gelu)).contiguous();
-      if (i + 1 < run.size()) h = add_rms_norm_(x, m, run[i + 1]->ln1, run[i + 1]->eps1, false);
-      else x.add_(m);
+      StepScratch* s = nullptr;
+      if (t <= StepScratch::kRowsMax && !L.q_norm.defined() && !L.key_mult.defined()) {
+        s = &scratch_;
+        s->fit(t, {L.heads, L.kv_heads, L.head_dim, x.size(1), L.gate_up.out_features() / 2}, x);
+      }
+      auto a = attention(L, h, positions, block_tables[L.group], slot_mappings[L.group],
+                         query_start_loc, seq_lens, s);
+      a = a.contiguous();
+      at::Tensor h2;
+      if (s) add_rms_norm_out(x, a, L.ln2, L.eps2, false, h2 = s->h2);
+      else h2 = add_rms_norm_(x, a, L.ln2, L.eps2, false);
+      at::Tensor gu, act, m;
+      if (!(s && L.gate_up.into(h2, gu = s->gu))) gu = L.gate_up(h2);
+      if (s && gu.is_contiguous()) gated_act_out(gu, L.gelu, act = s->act);
+      else act = gated_act(gu, L.gelu);
+      if (!(s && L.down.into(act, m = s->m))) m = L.down(act).contiguous();
+      if (i + 1 == run.size()) x.add_(m);
+      else if (s) add_rms_norm_out(x, m, run[i + 1]->ln1, run[i + 1]->eps1, false, h = s->h);
+      else h = add_rms_norm_(x, m, run[i + 1]->ln1, run[i + 1]->eps1, false);
     }
     return x;
   }
 
  private:
-  at::Tensor attention(const Layer& L, const at::Tensor& h, const at::Tensor& positions,
-                       const at::Tensor& block_table, const at::Tensor& slot_mapping,
-                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens) const {
+  // The attention block's output (o's); s: the step's buffers (none: allocate).
+  static at::Tensor attention(const Layer& L, const at::Tensor& h, const at::Tensor& positions,
+                              const at::Tensor& block_table, const at::Tensor& slot_mapping,
+                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                              StepScratch* s) {
     const int64_t t = h.size(0), qd = L.heads * L.head_dim, kd = L.kv_heads * L.head_dim;
     at::Tensor q, k, v;
-    bool scratch = false;
-    if (t <= QkvScratch::kRowsMax && !L.q_norm.defined() && !L.key_mult.defined()) {
-      scratch_.fit(t, L.heads, L.kv_heads, L.head_dim, h);
-      scratch = L.qkv.into(h, scratch_.qkv);
-    }
-    if (scratch) {
-      q = scratch_.q, k = scratch_.k, v = scratch_.v;
+    if (s && L.qkv.into(h, s->qkv)) {
+      q = s->q, k = s->k, v = s->v;
     } else {
       auto qkv = L.qkv(h);
       q = qkv.narrow(1, 0, qd).view({t, L.heads, L.head_dim});
@@ -332,12 +353,14 @@ class DecoderStack : public torch::CustomClassHolder {
     write_kv(cache, k, v, slot_mapping, L.kv_scales);
     auto out = paged_attention(q.contiguous(), L.kv_cache, block_table, query_start_loc,
                                seq_lens, L.scale, L.window, L.softcap, L.kv_scales);
-    return L.o(out.flatten(1).to(h.scalar_type()));
+    const auto o_in = out.view({t, qd}).to(h.scalar_type());
+    if (s && L.o.into(o_in, s->a)) return s->a;
+    return L.o(o_in);
   }
 
   std::vector<Linear> linears_;
   std::vector<Layer> layers_;
-  mutable QkvScratch scratch_;  // forward runs one step at a time (the engine's loop)
+  mutable StepScratch scratch_;  // forward runs one step at a time (the engine's loop)
 };
 
 }  // namespace ff

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace ff {
@@ -147,33 +148,50 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 
 at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                          double eps, bool unit_offset) {
+  auto out = at::empty_like(x);
+  add_rms_norm_out(x, delta, weight, eps, unit_offset, out);
+  return out;
+}
+
+void add_rms_norm_out(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                      double eps, bool unit_offset, at::Tensor& out) {
   TORCH_CHECK(x.is_contiguous() && delta.is_contiguous() && delta.sizes() == x.sizes(),
               "add_rms_norm_: x and delta must be contiguous and of one shape");
   TORCH_CHECK(delta.scalar_type() == x.scalar_type(), "add_rms_norm_: x and delta dtypes differ");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() &&
+                  out.scalar_type() == x.scalar_type() && !out.is_same(x) && !out.is_same(delta),
+              "add_rms_norm_: out must be a contiguous tensor of x's shape and dtype, apart "
+              "from x and delta");
   const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
-  auto out = at::empty_like(x);
   with_norm_types("add_rms_norm_", x, weight, [&](auto tag, const auto* wp) {
     using T = decltype(tag);
     add_rms_rows(static_cast<T*>(x.data_ptr()), static_cast<const T*>(delta.data_ptr()), wp,
                  static_cast<T*>(out.data_ptr()), rows, D, float(eps), unit_offset);
   });
-  return out;
 }
 
 at::Tensor gated_act(const at::Tensor& x, bool gelu) {
   TORCH_CHECK(x.size(-1) % 2 == 0, "gate/up input must have an even width");
-  auto xc = x.contiguous();
-  const int64_t I = x.size(-1) / 2, rows = xc.numel() / (2 * I);
   auto sizes = x.sizes().vec();
-  sizes.back() = I;
+  sizes.back() = x.size(-1) / 2;
   auto out = at::empty(sizes, x.options());
+  gated_act_out(x, gelu, out);
+  return out;
+}
+
+void gated_act_out(const at::Tensor& x, bool gelu, at::Tensor& out) {
+  TORCH_CHECK(x.size(-1) % 2 == 0, "gate/up input must have an even width");
+  const auto xc = x.contiguous();
+  const int64_t I = x.size(-1) / 2, rows = I ? xc.numel() / (2 * I) : 0;
+  TORCH_CHECK(out.is_contiguous() && out.numel() == rows * I &&
+                  out.scalar_type() == x.scalar_type(),
+              "gated_act: out must be a contiguous tensor of x's dtype with half its width");
   if (x.scalar_type() == at::kBFloat16) {
     silu_mul_rows((const uint16_t*)xc.data_ptr(), (uint16_t*)out.data_ptr(), rows, I, gelu);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "gated_act: float32 or bfloat16 only");
     silu_mul_rows(xc.data_ptr<float>(), out.data_ptr<float>(), rows, I, gelu);
   }
-  return out;
 }
 
 }  // namespace ff

@@ -24,7 +24,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 // x += delta in place, then rms_norm(x) (the residual add and the next norm in one pass).
 at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                          double eps, bool unit_offset);
+void add_rms_norm_out(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                      double eps, bool unit_offset, at::Tensor& out);
 at::Tensor gated_act(const at::Tensor& x, bool gelu);
+void gated_act_out(const at::Tensor& x, bool gelu, at::Tensor& out);
 // Each row's first NaN, else its first maximum: torch.max(x, dim=-1).indices for fp32 [R, V].
 at::Tensor argmax_rows(const at::Tensor& x);
 void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table);
