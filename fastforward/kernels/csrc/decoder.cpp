@@ -65,8 +65,7 @@ struct Linear {
       return y;
     }
     if (kind == kBf16) {
-      const bool tiles_only = w.dim() == 4;  // AMX tiles, the one copy (w and aux alike)
-      if (!tiles_only && (!aux.defined() || rows <= rows_max)) return linear_bf16(x, w, n, bias);
+      if (packed_bf16(rows)) return linear_bf16(x, w, n, bias);
       const bool amx = !aux.is_mkldnn() && aux.dim() == 4;
       if (amx && rows <= kAmxRowsMax) return linear_amx(x, aux, n, bias, false);
       // AMX tiles above kAmxRowsMax: oneDNN on the weight unpacked from the tiles
@@ -82,10 +81,8 @@ struct Linear {
     const auto xb = bf16 && x.is_contiguous() ? x : x.to(at::kBFloat16).contiguous();
     at::Tensor y;
     if (kind == kQ4 && !linear_q4_takes_amx(rows, q4)) {  // checked in add_linear
-      TORCH_CHECK(xb.dim() == 2 && xb.size(1) == w.size(1) * 4, "fused decoder: x of ",
-                  xb.sizes(), " for a 4-bit linear of ", w.size(1) * 4, " inputs");
       y = at::empty({rows, n}, xb.options());
-      linear_q4_out(xb, w, aux, q4, group, y);
+      q4_rows(xb, y);
     } else {
       y = kind == kQ4      ? linear_q4(xb, w, aux, table, group)  // on AMX tiles
           : kind == kQ5    ? linear_q5(xb, w, aux, group)
@@ -107,18 +104,30 @@ struct Linear {
   bool into(const at::Tensor& x, at::Tensor& y) const {
     const int64_t rows = x.size(0);
     if (kind == kBf16) {
-      if (w.dim() == 4 || (aux.defined() && rows > rows_max)) return false;
+      if (!packed_bf16(rows)) return false;
       linear_bf16_out(x, w, n, bias, y);
       return true;
     }
     if (kind != kQ4 || rows > rows_max || linear_q4_takes_amx(rows, q4) ||
         x.scalar_type() != at::kBFloat16 || !x.is_contiguous())
       return false;
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) * 4, "fused decoder: x of ", x.sizes(),
-                " for a 4-bit linear of ", w.size(1) * 4, " inputs");
-    linear_q4_out(x, w, aux, q4, group, y);
+    q4_rows(x, y);
     if (bias) y.add_(*bias);
     return true;
+  }
+
+ private:
+  // kBf16: whether the packed kernel takes these rows (else the AMX tiles, the one copy where w
+  // holds them, or the large-batch copy in aux).
+  bool packed_bf16(int64_t rows) const {
+    return w.dim() != 4 && (!aux.defined() || rows <= rows_max);
+  }
+
+  // kQ4 on the few-row kernel: xb bf16 [rows, K] into y [rows, n], without the bias.
+  void q4_rows(const at::Tensor& xb, at::Tensor& y) const {
+    TORCH_CHECK(xb.dim() == 2 && xb.size(1) == w.size(1) * 4, "fused decoder: x of ", xb.sizes(),
+                " for a 4-bit linear of ", w.size(1) * 4, " inputs");
+    linear_q4_out(xb, w, aux, q4, group, y);
   }
 };
 
@@ -312,7 +321,7 @@ class DecoderStack : public torch::CustomClassHolder {
       else h2 = add_rms_norm_(x, a, L.ln2, L.eps2, false);
       at::Tensor gu, act, m;
       if (!(s && L.gate_up.into(h2, gu = s->gu))) gu = L.gate_up(h2);
-      if (s && gu.is_contiguous()) gated_act_out(gu, L.gelu, act = s->act);
+      if (s) gated_act_out(gu, L.gelu, act = s->act);
       else act = gated_act(gu, L.gelu);
       if (!(s && L.down.into(act, m = s->m))) m = L.down(act).contiguous();
       if (i + 1 == run.size()) x.add_(m);
