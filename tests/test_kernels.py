@@ -267,6 +267,29 @@ def test_linear_q4_int4_rows_with_an_outlier(m):
 Q4_AMX_ROWS_MIN = {"int4": 9, "centroids": 5}
 
 
+@needs_int4
+@pytest.mark.parametrize("m", [1, 2])
+def test_linear_q4_few_rows_give_the_same_bits_on_any_thread_count(m):
+    """Decode's one or two rows split the blocks into one range per thread, and threads done
+    early take the others' last blocks (steal_for): 37 blocks on 1, 2, 3 and 5 threads, many
+    times over, must give the same bits (no block skipped or done twice, whichever thread
+    takes it) and match the float64 matmul."""
+    x, packed, sz, table, w = _q4_case(m, 16 * 37, 576, 32, True, "int4")
+    ops = kernels.ops()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.linear_q4(x, packed, sz, table, 32)
+        for t in (2, 3, 5):
+            torch.set_num_threads(t)
+            for _ in range(50):
+                assert torch.equal(ops.linear_q4(x, packed, sz, table, 32), one)
+    finally:
+        torch.set_num_threads(threads)
+    ref = x.double() @ w.t()
+    torch.testing.assert_close(one.double(), ref, rtol=2**-8, atol=1e-4 * ref.abs().max())
+
+
 def _q4_case(m, n, k, group, zeros, levels):
     """Random codes, table, scales (and zeros) in linear_q4's layout, bf16 rows, and the
     float64 weight they stand for."""

@@ -75,12 +75,14 @@ inline __m512i splat_pair(const void* p) {
 // std::integral_constant); rows 4 at a time over each run of blocks, whose codes stay in cache
 // meanwhile; threads over runs of at least 32 KiB of codes (block_bytes each).
 //
-// One or two rows (decode) split the blocks exactly, one contiguous range per thread (its last
-// run 2 + 1 blocks where it is short), instead of handing out runs: SmolLM2's o and down
-// matrices have 9 runs of 4 blocks, so on 2 threads one thread read 5 while the other waited
-// (the end-of-region wait averaged ~2.5 us a call, ~0.3 ms a decode step). Split exactly, the
-// int4 decoder stack went 5.02 -> 4.84 ms and int4 decode 190.8 -> 197.4 tok/s (medians of 8
-// alternating timings in one process; the 2-core Xeon without AVX512-BF16, throwaway scripts).
+// One or two rows (decode) split the blocks exactly into one range per thread and take each
+// other's last blocks when done (steal_for, parallel.h), instead of handing out runs: SmolLM2's
+// o and down matrices have 9 runs of 4 blocks, so on 2 threads one thread read 5 while the
+// other waited (the end-of-region wait averaged ~2.5 us a call, ~0.3 ms a decode step). Split
+// exactly, the int4 decoder stack went 5.02 -> 4.84 ms and int4 decode 190.8 -> 197.4 tok/s
+// (medians of 8 alternating timings in one process; the 2-core Xeon without AVX512-BF16,
+// throwaway scripts); taking the ends, the threads' wait for each other went 2.2 -> 0.8 us a
+// call (see steal_for).
 template <typename F>
 void for_row_blocks(int64_t blocks, int64_t M, int64_t block_bytes, F&& kernel) {
   constexpr int NT = 4, MR_MAX = 4;
@@ -97,14 +99,13 @@ void for_row_blocks(int64_t blocks, int64_t M, int64_t block_bytes, F&& kernel) 
   const int64_t threads =
       std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, runs / grain));
   if (M <= 2 && threads > 1) {
-    at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b1 = blocks * (i + 1) / threads;
-        int64_t b = blocks * i / threads;
-        for (; b + NT <= b1; b += NT) with_rows(std::integral_constant<int, NT>{}, int(M), 0, b);
-        for (; b + 2 <= b1; b += 2) with_rows(std::integral_constant<int, 2>{}, int(M), 0, b);
-        for (; b < b1; ++b) with_rows(std::integral_constant<int, 1>{}, int(M), 0, b);
+    steal_for(blocks, threads, NT, [&](int64_t b, int64_t b1) {  // 1 to NT blocks
+      if (b1 - b == NT) return with_rows(std::integral_constant<int, NT>{}, int(M), 0, b);
+      if (b1 - b >= 2) {
+        with_rows(std::integral_constant<int, 2>{}, int(M), 0, b);
+        b += 2;
       }
+      if (b < b1) with_rows(std::integral_constant<int, 1>{}, int(M), 0, b);
     });
     return;
   }
