@@ -14,6 +14,8 @@ Usage::
     python benchmarks/bench_cpu.py                  # everything installed, full sizes
     python benchmarks/bench_cpu.py --quick          # smoke run: small sizes
     python benchmarks/bench_cpu.py --engines fastforward hf-bf16 llama.cpp-bf16
+    python benchmarks/bench_cpu.py --parts decode --rounds 5 \
+        --engines fastforward fastforward-int4 llama.cpp-q4_1
     python benchmarks/bench_cpu.py --engines fastforward vllm --vllm-python ~/vllm-cpu/bin/python
     python benchmarks/bench_cpu.py --model qwen2.5-coder-0.5b --parts decode \
         --engines fastforward fastforward-int4-mix llama.cpp-q4_1 llama.cpp-shipped
@@ -31,7 +33,9 @@ here) and measures, greedy, ignoring EOS:
 * peak resident memory of the process.
 
 ``--parts`` picks a subset of these (prefill, decode, batched, long); ``--model`` any model of
-the registry (SmolLM2-135M by default; the targets of issue 7 are set on it).
+the registry (SmolLM2-135M by default; the targets of issue 7 are set on it). ``--rounds N``
+runs the engines N times in turn and reports each figure's median: on a host shared with other
+machines a minute can run 20-40% slow, and one pass lays it on whichever engine ran then.
 
 It also measures this machine's limits -- memory bandwidth (numpy copy) and bf16 matmul
 GFLOP/s (torch, 2048^2) -- and prints what they allow: single-stream bf16 decode at
@@ -48,6 +52,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -404,6 +409,44 @@ def worker(model: str, engine: str, workload_file: Path, model_dir: str) -> dict
     return {"engine": engine, "info": info, **measure(gen, sz, w)}
 
 
+def run_engine(engine: str, python: str, model: str, workload_file: Path) -> dict[str, Any]:
+    """One engine's measurements from its own subprocess, or {"error": why}."""
+    cmd = [python, __file__, "--worker", engine, "--workload", str(workload_file)]
+    cmd += ["--model", model]
+    env = None
+    if engine == "vllm":
+        cmd += ["--model-dir", str(hf_dir(model))]
+        env = vllm_env()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    last = proc.stdout.strip().splitlines()[-1:] or [""]
+    try:
+        return json.loads(last[0])
+    except json.JSONDecodeError:
+        lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln]
+        err = (lines or proc.stderr.strip().splitlines() or ["no output"])[-1]
+        if proc.returncode < 0:
+            err = f"crashed with signal {-proc.returncode}"
+        return {"engine": engine, "error": err}
+
+
+def median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """An engine's rounds as one result: each figure's median over the rounds that ran (the
+    first error where none did). With --rounds the engines take turns, so a slow minute on a
+    shared host falls on all of them alike instead of on whichever ran then."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    out = dict(ok[0])
+    for key, v in ok[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = statistics.median(r[key] for r in ok)
+    out["batched_tok_s"] = {
+        b: statistics.median(r["batched_tok_s"][b] for r in ok) for b in ok[0]["batched_tok_s"]
+    }
+    out["rounds"] = len(ok)
+    return out
+
+
 # ------------------------------------------------------------------------------ limits
 
 
@@ -473,21 +516,22 @@ def value(r: dict, key: str) -> float | None:
 
 def table(results: dict[str, dict], sz: dict[str, Any]) -> str:
     names = list(results)
-    head = f"{'metric':26}" + "".join(f"{n:>16}" for n in names)
+    w = max([16] + [len(n) + 2 for n in names])  # columns apart however long the names
+    head = f"{'metric':26}" + "".join(f"{n:>{w}}" for n in names)
     lines = [head, "-" * len(head)]
     ff = results.get("fastforward", {})
     for key, label in rows(sz):
         cells = []
         for n in names:
             v = value(results[n], key)
-            cells.append(f"{'-' if v is None else f'{v:.1f}':>16}")
+            cells.append(f"{'-' if v is None else f'{v:.1f}':>{w}}")
         lines.append(f"{label:26}" + "".join(cells))
         base = value(ff, key) if ff else None
         if base and key != "peak_rss_mib":
             ratios = []
             for n in names:
                 v = value(results[n], key)
-                ratios.append(f"{'-' if not v else f'x{base / v:.2f}':>16}")
+                ratios.append(f"{'-' if not v else f'x{base / v:.2f}':>{w}}")
             lines.append(f"{'  fastforward / engine':26}" + "".join(ratios))
     return "\n".join(lines)
 
@@ -540,6 +584,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="what to measure")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_cpu")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every engine this many times in turn and report each figure's median",
+    )
+    p.add_argument(
         "--vllm-python",
         default=os.environ.get("FASTFORWARD_VLLM_PYTHON", sys.executable),
         help="the Python of the venv vLLM's CPU build is installed in (README, 'Benchmarks'); "
@@ -549,6 +599,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workload", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.worker:
         print(json.dumps(worker(args.model, args.worker, args.workload, args.model_dir)))
         return
@@ -568,33 +620,22 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     workload_file = args.out.with_suffix(".prompts.json")
     workload_file.write_text(json.dumps({"sizes": sz, "prompts": workload(args.model, sz)}))
-    results: dict[str, dict] = {}
-    for engine in args.engines:
-        python = python_for(engine, args.vllm_python)
-        why = installed(engine, python)
-        if why:
-            print(f"skip {engine}: {why}")
-            continue
-        t = time.perf_counter()
-        cmd = [python, __file__, "--worker", engine, "--workload", str(workload_file)]
-        cmd += ["--model", args.model]
-        env = None
-        if engine == "vllm":
-            cmd += ["--model-dir", str(hf_dir(args.model))]
-            env = vllm_env()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        last = proc.stdout.strip().splitlines()[-1:] or [""]
-        try:
-            results[engine] = json.loads(last[0])
-        except json.JSONDecodeError:
-            lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln]
-            err = (lines or proc.stderr.strip().splitlines() or ["no output"])[-1]
-            if proc.returncode < 0:
-                err = f"crashed with signal {-proc.returncode}"
-            results[engine] = {"engine": engine, "error": err}
-            print(f"{engine} failed: {err}")
-            continue
-        print(f"{engine}: done in {time.perf_counter() - t:.0f} s")
+    runs: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        for engine in args.engines:
+            python = python_for(engine, args.vllm_python)
+            why = installed(engine, python)
+            if why:
+                if r == 0:
+                    print(f"skip {engine}: {why}")
+                continue
+            t = time.perf_counter()
+            res = run_engine(engine, python, args.model, workload_file)
+            runs.setdefault(engine, []).append(res)
+            said = f"failed: {res['error']}" if "error" in res else "done"
+            rnd = f" (round {r + 1}/{args.rounds})" if args.rounds > 1 else ""
+            print(f"{engine}{rnd}: {said} in {time.perf_counter() - t:.0f} s")
+    results = {engine: median_result(rs) for engine, rs in runs.items()}
     print()
     print(table(results, sz))
     ff = results.get("fastforward")
@@ -602,6 +643,8 @@ def main(argv: list[str] | None = None) -> None:
         print("\n" + limits_line(ff, sz, limits))
     doc = {"model": args.model, "sizes": sz, "limits": limits, "results": results}
     doc["argv"] = sys.argv[1:]
+    if args.rounds > 1:
+        doc["rounds"] = runs
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
     plot(results, sz, args.model, args.out.with_suffix(".png"))
     print(f"\nwrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")

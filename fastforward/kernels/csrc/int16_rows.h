@@ -82,7 +82,7 @@ inline __m512i splat_pair(const void* p) {
 // exactly, the int4 decoder stack went 5.02 -> 4.84 ms and int4 decode 190.8 -> 197.4 tok/s
 // (medians of 8 alternating timings in one process; the 2-core Xeon without AVX512-BF16,
 // throwaway scripts); taking the ends, the threads' wait for each other went 2.2 -> 0.8 us a
-// call (see steal_for).
+// call in the int4 engine's decode (see steal_for).
 template <typename F>
 void for_row_blocks(int64_t blocks, int64_t M, int64_t block_bytes, F&& kernel) {
   constexpr int NT = 4, MR_MAX = 4;
