@@ -25,7 +25,7 @@ namespace {
 
 constexpr int TN = int(TN_ROWS);  // output features per block
 constexpr int PAIR_BYTES = 32;
-constexpr int PF = 32;  // input pairs (1 KiB) ahead on each block's stream
+constexpr int PF_BLOCKS = 4;  // the same line of the next run's block (linear_q4.cpp PF_TILES)
 
 // MR rows x NT blocks from block b0. One row keeps even and odd input pairs in two chains per
 // block (8 with NT = 4) to cover vpdpwssd's latency; more rows have MR x NT chains already.
@@ -55,7 +55,8 @@ __attribute__((noinline)) void block(const int16_t* xq, const float* xs, int64_t
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) {
         const int8_t* src = wb + t * block_bytes + p * PAIR_BYTES;
-        if ((p & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + PF * PAIR_BYTES), _MM_HINT_T0);
+        if ((p & 1) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(src + PF_BLOCKS * block_bytes), _MM_HINT_T0);
         const __m512i wv =
             _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
 #pragma GCC unroll 4

@@ -32,7 +32,7 @@ namespace {
 
 constexpr int TILE = 16;
 constexpr int QUAD_BYTES = QUAD_BYTES_Q5;
-constexpr int PF = 24;  // quads (~1 KiB) ahead on each tile's stream
+constexpr int PF_TILES = 4;  // the same quad of the next run's tile (linear_q4.cpp PF_TILES)
 
 // The int5 codes of int_codes_block (int16_rows.h): low bits and masks from the tile's stream.
 struct Int5Codes {
@@ -45,7 +45,7 @@ struct Int5Codes {
   void words(int64_t tile, int64_t q, __m512i& lo, __m512i& hi) const {
     const __m512i nib = _mm512_set1_epi16(0x000f), sixteen = _mm512_set1_epi16(16);
     const uint8_t* src = w + (tile * quads + q) * QUAD_BYTES;
-    _mm_prefetch(reinterpret_cast<const char*>(src + PF * QUAD_BYTES), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(src + PF_TILES * quads * QUAD_BYTES), _MM_HINT_T0);
     const __m512i b =
         _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
     // the masks straight from memory (kmovd k, m32: a load, not a move from a register)
