@@ -71,8 +71,9 @@ constexpr int QUAD_BYTES = 32;
 // run starts new streams; 1 KiB ahead on the tile's own stream (before) left one thread at
 // 10.5 GB/s from memory where a plain read gets 12, and two at 18.2 against 22.5. Prefetching the
 // next run: 12.1 and 20.9 GB/s ([N, 576] int4, 524 MB, medians of 5-7 alternations in one
-// process), int4 decode 199.9 -> 217.8 tok/s (medians of 12; paired ratio 1.10), the 2-core Xeon
-// without AVX512-BF16. K = 1536 (12 KiB tiles) was at the bandwidth already: 24.4 -> 24.8.
+// process), the 2-core Xeon without AVX512-BF16; K = 1536 (12 KiB tiles) was at the bandwidth
+// already (24.4 -> 24.8). int4 decode 199.9 -> 217.8 tok/s (medians of 12 in one process,
+// paired ratio 1.10) with both prefetches; the next run's alone was level with both (1.04).
 constexpr int PF_TILES = 4;
 
 // Each of MR x NT vectors set to v.
