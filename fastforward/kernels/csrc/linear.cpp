@@ -191,7 +191,8 @@ void linear_bf16_out(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
   const int64_t M = xc.size(0);
   TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.is_contiguous() &&
                   y.scalar_type() == x.scalar_type(),
-              "linear_bf16: the output must be a contiguous [", M, ", ", N, "] tensor of x's dtype");
+              "linear_bf16: the output must be a contiguous [", M, ", ", N,
+              "] tensor of x's dtype");
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     // padded to whole tiles so the vector add never reads past the end

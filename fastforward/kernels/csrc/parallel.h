@@ -27,14 +27,14 @@ void dynamic_for(int64_t n, int64_t grain, F&& fn) {
 }
 
 // fn(i0, i1) over [0, n) split into one equal range for each of up to max_threads threads, each
-// taken from its front ``step`` units at a time (the last piece shorter); a thread done with its own range then takes
-// the others' last units one at a time from the back, until none is left. For decode's few-row
-// matmuls, whose ranges are a few dozen units of ~0.3 us: split exactly, the second thread
-// started late (woken from its wait after the engine's Python between steps) or read slower
-// memory, and the first waited for it at the region's end -- on average 2.2 us a call (3.8-4.8
-// with a bf16 engine in the same process), 120 calls a SmolLM2 int4 decode step. Taking each
-// other's ends, they finish 0.7-1.0 us apart (the 2-core Xeon, rdtsc at each thread's end in a
-// throwaway build).
+// taken from its front ``step`` units at a time (the last piece shorter); a thread done with its
+// own range then takes the others' last units one at a time from the back, until none is left.
+// For decode's few-row matmuls, whose ranges are a few dozen units of ~0.3 us: split exactly,
+// the second thread started late (woken from its wait after the engine's Python between steps)
+// or read slower memory, and the first waited for it at the region's end -- on average 2.2 us a
+// call (3.8-4.8 with a bf16 engine in the same process), 120 calls a SmolLM2 int4 decode step.
+// Taking each other's ends, they finish 0.7-1.0 us apart (the 2-core Xeon, rdtsc at each
+// thread's end in a throwaway build).
 template <typename F>
 void steal_for(int64_t n, int64_t max_threads, int64_t step, F&& fn) {
   const int64_t threads = at::in_parallel_region()
