@@ -679,16 +679,21 @@ def _attention_step(query_lens, context_lens, dtype, seed, h=6, kvh=2, d=32, bs=
     return cache, meta, qkv
 
 
-def _run_attention_layer(step, use_kernel, sliding_window=None, **flags):
-    """One attention layer (flags: its attributes) over a fresh copy of the step's cache."""
+def _run_attention_layer(step, use_kernel, sliding_window=None, key_scale=None, **flags):
+    """One attention layer (flags: its attributes; ``key_scale``: per-channel key scales) over
+    a fresh copy of the step's cache."""
     from fastforward.layers.attention import Attention
 
     cache, meta, (q, k, v) = step
     layer = Attention(q.shape[1], k.shape[1], q.shape[2], q.shape[2] ** -0.5, sliding_window)
+    if isinstance(cache, tuple):  # an int8 cache and its scales
+        cache, scales = cache
+        layer.kv_scales = scales.clone()
     layer.kv_cache = cache.clone()
     layer.use_kernel = use_kernel
     for name, value in flags.items():
         setattr(layer, name, value)
+    layer.set_key_channel_scale(key_scale)
     meta.derived.clear()
     return layer(q, k, v, meta)
 
@@ -894,6 +899,87 @@ def test_attention_mixed_step_prompts_in_one_kernel_call(monkeypatch, kind, dtyp
         assert calls and not prompt_calls
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype"),
+    [
+        pytest.param("amx", torch.bfloat16, marks=needs_amx),
+        pytest.param("f32", torch.bfloat16, marks=needs_prompt_f32),
+        pytest.param("f32", torch.float32, marks=needs_prompt_f32),
+    ],
+)
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "window", "key_scale"),
+    [([40], [0], None, False),
+     ([1, 40, 30, 1, 25, 17], [90, 0, 9, 7, 50, 0], None, False),
+     ([1, 40, 30, 1, 25, 17], [90, 0, 9, 7, 50, 0], None, True),
+     ([1, 40, 30], [90, 0, 9], 20, False)],
+)  # fmt: skip
+def test_attention_int8_cache_prompts_on_a_dequantized_copy(
+    monkeypatch, kind, dtype, query_lens, context_lens, window, key_scale
+):
+    """Prompt chunks over an int8 cache (one fresh prompt; fresh and cached contexts beside
+    decode rows): the blocks they read are dequantized into a cache of the model's dtype for
+    one prompt kernel call (the decode rows stay on the int8 kernel) and the output is the
+    reference path's over the int8 cache; also with per-channel key scales (whose queries go
+    float32 but the prompts' back to the model's dtype); with a sliding window the int8
+    kernel takes all."""
+    step = _attention_step(query_lens, context_lens, torch.float32, seed=13, h=9, kvh=3, d=64)
+    cache, meta, qkv = step
+    step = (quantize(cache), meta, tuple(x.to(dtype) for x in qkv))
+    flag = "kernel_prompts_amx" if kind == "amx" else "kernel_prompts_f32"
+    m = torch.rand(3, 32, generator=torch.Generator().manual_seed(2)).add(0.5).repeat(1, 2)
+
+    def run(use_kernel):
+        return _run_attention_layer(
+            step,
+            use_kernel,
+            sliding_window=window,
+            key_scale=m if key_scale else None,
+            kernel_long_queries_int8=True,
+            **{flag: True},
+        )
+
+    ref = run(False)
+    name = "paged_prefill_attention_amx" if kind == "amx" else "paged_prefill_attention"
+    op, paged = getattr(torch.ops.fastforward, name), torch.ops.fastforward.paged_attention
+    prompt_calls, paged_calls = [], []
+
+    def prompt_kernel(q, cache_, *args):
+        prompt_calls.append((cache_.dtype, args[1].tolist()))
+        return op(q, cache_, *args)
+
+    monkeypatch.setattr(torch.ops.fastforward, name, prompt_kernel)
+    monkeypatch.setattr(
+        torch.ops.fastforward,
+        "paged_attention",
+        lambda q, *a: paged_calls.append(q.shape[0]) or paged(q, *a),
+    )
+    out = run(True)
+    decode_rows = sum(n for n in query_lens if n <= 16)
+    if window is None:
+        chunks = [0, *torch.tensor([n for n in query_lens if n > 16]).cumsum(0).tolist()]
+        assert prompt_calls == [(dtype, chunks)]
+        assert paged_calls == ([decode_rows] if decode_rows else [])
+    else:
+        assert not prompt_calls and paged_calls == [sum(query_lens)]
+    # the dequantized keys rounded to bf16 (2^-9), then the output (2^-9); float32 only the
+    # order of the sums (the int8 kernel with a window: its int16 steps of the weights)
+    tol = 2e-5 if dtype == torch.float32 and window is None else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_blocks_read_renumbers_the_tables():
+    """Each sequence's used blocks in table order (a shared block twice), the tables
+    renumbered to that list; padding stays 0."""
+    from fastforward.layers.attention import blocks_read
+
+    tables = torch.tensor([[7, 3, 9], [7, 5, 0], [4, 0, 0]])
+    blocks, renumbered = blocks_read(tables, torch.tensor([33, 17, 1]), 16)
+    assert blocks.tolist() == [7, 3, 9, 7, 5, 4]
+    assert renumbered.tolist() == [[0, 1, 2], [3, 4, 0], [5, 0, 0]]
+    assert torch.equal(blocks[renumbered[tables != 0]], tables[tables != 0])
 
 
 @needs_amx

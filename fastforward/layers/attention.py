@@ -9,6 +9,7 @@ from torch import nn
 
 from fastforward.attention.metadata import AttentionMetadata, split_by_query_len
 from fastforward.attention.reference import paged_attention, write_kv
+from fastforward.kv.quant import dequantize
 
 # Steps whose longest query run is at most this many tokens (decode, small chunks) use the
 # native kernel. Longer prefills do too where bf16 queries meet a bf16 cache on a CPU with
@@ -16,6 +17,18 @@ from fastforward.attention.reference import paged_attention, write_kv
 # against ~1,900 with SDPA); otherwise they go to the reference path, whose SDPA beats the
 # kernel's fp32 scoring there.
 KERNEL_MAX_QUERY_LEN = 16
+
+
+def blocks_read(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks the sequences' keys fill, in table order (a block two sequences share comes
+    twice), and the block tables renumbered to index that list."""
+    used = torch.arange(block_tables.shape[1]) < (-(-seq_lens // block_size))[:, None]
+    blocks = block_tables[used]
+    renumbered = torch.zeros_like(block_tables)
+    renumbered[used] = torch.arange(blocks.numel())
+    return blocks, renumbered
 
 
 class Attention(nn.Module):
@@ -105,7 +118,15 @@ class Attention(nn.Module):
             write_kv(self.kv_cache, k, v, group.slot_mapping, self.kv_scales)
         if not self.use_kernel:
             out = self._reference(q, meta)
-        elif meta.max_query_len <= KERNEL_MAX_QUERY_LEN or self.takes_long_queries(q.dtype):
+        elif meta.max_query_len <= KERNEL_MAX_QUERY_LEN:
+            out = self._kernel(q, meta)
+        elif self.kv_scales is not None and self._prompts_on_kernel(dtype, k):
+            # prompt chunks over an int8 cache: the blocks they read dequantized for a prompt
+            # kernel in the model's dtype (a fresh 512-token prompt of SmolLM2's heads: 7.2 ->
+            # 1.6 ms a layer against the int8 path of paged_attention, AVX-512 FMAs; AMX tiles
+            # where the CPU has them)
+            out = self._mixed(q, k, meta, prompts_dtype=dtype)
+        elif self.takes_long_queries(q.dtype):
             out = self._kernel(q, meta)
         elif self._one_prompt(k, meta):
             out = self._prompt(q, k, v, meta)
@@ -127,37 +148,49 @@ class Attention(nn.Module):
             and self.kv_cache.dtype == k.dtype
         )
 
-    def _prompts_on_amx(self, q: torch.Tensor) -> bool:
-        return self.kernel_prompts_amx and q.dtype == torch.bfloat16
+    def _prompts_on_amx(self, dtype: torch.dtype) -> bool:
+        return self.kernel_prompts_amx and dtype == torch.bfloat16
 
-    def _prompts_on_kernel(self, q: torch.Tensor, k: torch.Tensor) -> bool:
-        """Whether this step's prompt chunks go to ``_prompts_kernel``: plain causal attention
-        (``_plain_causal``: the cache holds q's dtype), bf16 on an AMX CPU, or bf16 or float32
-        where the CPU has AVX-512."""
-        kernel = self._prompts_on_amx(q) or (
-            self.kernel_prompts_f32 and q.dtype in (torch.bfloat16, torch.float32)
+    def _prompts_on_kernel(self, dtype: torch.dtype, k: torch.Tensor) -> bool:
+        """Whether this step's prompt chunks go to ``_prompts_kernel`` with queries of
+        ``dtype``: causal attention with no window or softcap over a cache of the keys' dtype
+        (``_plain_causal``) or an int8 one (read dequantized: ``_prompt_cache``), bf16 on an AMX
+        CPU, or bf16 or float32 where the CPU has AVX-512."""
+        kernel = self._prompts_on_amx(dtype) or (
+            self.kernel_prompts_f32 and dtype in (torch.bfloat16, torch.float32)
         )
+        if self.kv_scales is not None:
+            return kernel and self.sliding_window is None and self.softcap is None
         return kernel and self._plain_causal(k)
 
     def _prompts_kernel(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The step's prompt chunks in one call, on AMX tiles (csrc/attention_amx.cpp) or on
         AVX-512 FMAs (csrc/attention_prompt.cpp): each sequence's queries over its keys, its
-        cached context and its own new ones, read in place from the cache (this step's were
-        just written)."""
+        cached context and its own new ones, read from the cache (this step's were just
+        written)."""
         ops = torch.ops.fastforward
         op = (
             ops.paged_prefill_attention_amx
-            if self._prompts_on_amx(q)
+            if self._prompts_on_amx(q.dtype)
             else ops.paged_prefill_attention
         )
-        return op(
-            q,
-            self.kv_cache,
-            meta.groups[self.group].block_tables,
-            meta.query_start_loc,
-            meta.seq_lens,
-            self.scale,
+        cache, block_tables = self._prompt_cache(q.dtype, meta)
+        return op(q, cache, block_tables, meta.query_start_loc, meta.seq_lens, self.scale)
+
+    def _prompt_cache(
+        self, dtype: torch.dtype, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache and block tables the prompt kernels read: this layer's own, or where the
+        cache is int8 the blocks the sequences read dequantized (as the reference path does,
+        then rounded to ``dtype``) into a cache of their own, the tables renumbered to it."""
+        tables = meta.groups[self.group].block_tables
+        if self.kv_scales is None:
+            return self.kv_cache, tables
+        block_size = self.kv_cache.shape[2]
+        blocks, renumbered = meta.cached(
+            ("blocks read", self.group), lambda: blocks_read(tables, meta.seq_lens, block_size)
         )
+        return dequantize(self.kv_cache[:, blocks], self.kv_scales[:, blocks], dtype), renumbered
 
     def _prompt(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -165,7 +198,7 @@ class Attention(nn.Module):
         """One prompt (or prompt chunk) on the step's own q, k, v (and the cached context's
         keys and values), without the reference path's gathers, mask and scatter of the
         output."""
-        if self._prompts_on_kernel(q, k):
+        if self._prompts_on_kernel(q.dtype, k):
             # AMX tiles: 1.6-2x PyTorch's flash attention on fresh prompts, ~2x over a long
             # context; AVX-512 FMAs (no AMX, no AVX512-BF16): ~2.4x on a fresh 512-token prompt
             return self._prompts_kernel(q, meta)
@@ -236,23 +269,34 @@ class Attention(nn.Module):
             kv_scales=self.kv_scales,
         )
 
-    def _mixed(self, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Long query runs (prefill chunks) in one call of a prompt kernel where the CPU has one,
-        else through the reference path's SDPA; the short ones (decode rows of the same step)
-        through the kernel: padding a decode row to the longest prefill chunk in SDPA's
-        ``[B, max_q]`` layout would cost a whole chunk of queries. (``k``: the step's keys, for
-        ``_prompts_on_kernel``.)"""
-        prompts = self._prompts_on_kernel(q, k)
+    def _mixed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        meta: AttentionMetadata,
+        prompts_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Long query runs (prefill chunks) in one call of a prompt kernel where the CPU has one
+        (their queries in ``prompts_dtype``, else q's), else through the reference path's SDPA;
+        the short ones (decode rows of the same step) through the kernel: padding a decode row
+        to the longest prefill chunk in SDPA's ``[B, max_q]`` layout would cost a whole chunk of
+        queries. (``k``: the step's keys, for ``_prompts_on_kernel``.)"""
+        prompts_dtype = prompts_dtype or q.dtype
+        prompts = self._prompts_on_kernel(prompts_dtype, k)
         split = meta.cached(
             "split_by_query_len", lambda: split_by_query_len(meta, KERNEL_MAX_QUERY_LEN)
         )
         if split is None:
-            return self._prompts_kernel(q, meta) if prompts else self._reference(q, meta)
+            if prompts:
+                return self._prompts_kernel(q.to(prompts_dtype), meta)
+            return self._reference(q, meta)
         short, long = split
         out = torch.empty_like(q)
         out[short.rows] = self._kernel(q[short.rows], short.meta)
         if prompts:
-            out[long.rows] = self._prompts_kernel(q[long.rows], long.meta)
+            out[long.rows] = self._prompts_kernel(q[long.rows].to(prompts_dtype), long.meta).to(
+                q.dtype
+            )
         else:
             out[long.rows] = self._reference(q[long.rows], long.meta)
         return out
