@@ -336,14 +336,18 @@ void attend_item(const Item& it, const Geometry& g, const QT* q, const CT* cache
   }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-constexpr bool kHaveDp = true;
+// The dot-product paths (attend_item_dp): bf16 caches where the CPU has AVX512-BF16, int8 ones
+// where it has AVX512-VNNI (with or without AVX512-BF16).
+#if defined(__AVX512BW__) && (defined(__AVX512BF16__) || defined(__AVX512VNNI__))
+#define FF_ATTEND_DP 1
 
 // The cache element's side of attend_item_dp: how a row's 32-dimension chunk is loaded as 16
 // pairs, and the pairwise dot-product instruction.
 template <typename CT>
 struct DpCache;
 
+#if defined(__AVX512BF16__)
+constexpr bool kHaveDp = true;
 template <>
 struct DpCache<uint16_t> {  // bf16: vdpbf16ps, fp32 sums
   using Acc = __m512;
@@ -354,6 +358,9 @@ struct DpCache<uint16_t> {  // bf16: vdpbf16ps, fp32 sums
     return _mm512_dpbf16_ps(a, (__m512bh)x, (__m512bh)y);
   }
 };
+#else
+constexpr bool kHaveDp = false;
+#endif
 
 #if defined(__AVX512VNNI__)
 constexpr bool kHaveDpI8 = true;
@@ -648,12 +655,12 @@ void attend_item_dp(const Item& it, const Geometry& g, const QT* q, const CT* ca
   }
 }
 #else
-constexpr bool kHaveDp = false;
-constexpr bool kHaveDpI8 = false;
+constexpr bool kHaveDp = false;  // bf16 caches on vdpbf16ps
+constexpr bool kHaveDpI8 = false;  // int8 caches on vpdpwssd
 template <typename QT, typename CT>
 void attend_item_dp(const Item&, const Geometry&, const QT*, const CT*, const at::Half*,
                     const int64_t*, const int64_t*, float*) {
-  TORCH_CHECK(false, "attend_item_dp needs AVX512-BF16");
+  TORCH_CHECK(false, "attend_item_dp needs AVX512-BF16 or AVX512-VNNI");
 }
 #endif
 
@@ -667,9 +674,9 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
   std::vector<int64_t> qpos0(B);
   constexpr bool bf16_pair = std::is_same_v<QT, uint16_t> && std::is_same_v<CT, uint16_t>;
   constexpr bool int8_cache = std::is_same_v<CT, int8_t>;
-  // the types attend_item_dp is built for here (an int8 cache: only with AVX512-VNNI)
-  constexpr bool dp_types = bf16_pair || (int8_cache && kHaveDpI8);
-  const bool dp = dp_types && kHaveDp && g.D % 2 == 0;
+  // the types attend_item_dp is built for here (bf16: AVX512-BF16; int8: AVX512-VNNI)
+  constexpr bool dp_types = (bf16_pair && kHaveDp) || (int8_cache && kHaveDpI8);
+  const bool dp = dp_types && g.D % 2 == 0;
   // Decode on the dot-product paths: one item takes all the sequence's KV heads, so each cache
   // block is read as one span of its rows (the heads side by side) instead of KVH strided
   // passes, and a split key range splits that span. SmolLM2's 3 KV heads, 30 layers from
