@@ -971,6 +971,23 @@ def test_attention_int8_cache_prompts_on_a_dequantized_copy(
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
+def test_int8_cache_prompts_leave_the_long_query_path_to_a_prompt_kernel():
+    """Where a prompt kernel takes an int8 cache's prompt chunks dequantized, the int8 kernel
+    does not claim long query runs (so the fused decoder stack leaves prefill steps to the
+    module path); without one, or with a sliding window, it does."""
+    from fastforward.layers.attention import Attention
+
+    layer = Attention(9, 3, 64, 0.125)
+    layer.kv_cache, layer.kv_scales = quantize(torch.zeros(2, 1, 16, 3, 64))
+    layer.use_kernel = layer.kernel_long_queries_int8 = True
+    assert layer.takes_long_queries(torch.bfloat16)
+    layer.kernel_prompts_f32 = True
+    assert not layer.takes_long_queries(torch.bfloat16)
+    assert not layer.takes_long_queries(torch.float32)
+    layer.sliding_window = 20
+    assert layer.takes_long_queries(torch.bfloat16)
+
+
 def test_blocks_read_renumbers_the_tables():
     """Each sequence's used blocks in table order (a shared block twice), the tables
     renumbered to that list; padding stays 0."""

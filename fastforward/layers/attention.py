@@ -88,10 +88,12 @@ class Attention(nn.Module):
         self.query_mult = m.float().repeat_interleave(groups, dim=0)
 
     def takes_long_queries(self, q_dtype: torch.dtype) -> bool:
-        """Whether the kernel serves query runs of any length for queries of ``q_dtype``."""
+        """Whether the kernel serves query runs of any length for queries of ``q_dtype`` (the
+        fused decoder stack then takes prefill steps too). Not an int8 cache's prompt chunks
+        where a prompt kernel takes them dequantized (``_prompts_dequantized``): 3-4x faster."""
         cache = self.kv_cache
         if cache is not None and cache.dtype == torch.int8:
-            return self.kernel_long_queries_int8
+            return self.kernel_long_queries_int8 and not self._prompts_dequantized(q_dtype)
         return (
             self.kernel_long_queries
             and q_dtype == torch.bfloat16
@@ -120,7 +122,7 @@ class Attention(nn.Module):
             out = self._reference(q, meta)
         elif meta.max_query_len <= KERNEL_MAX_QUERY_LEN:
             out = self._kernel(q, meta)
-        elif self.kv_scales is not None and self._prompts_on_kernel(dtype, k):
+        elif self.kv_scales is not None and self._prompts_dequantized(dtype):
             # prompt chunks over an int8 cache: the blocks they read dequantized for a prompt
             # kernel in the model's dtype (a fresh 512-token prompt of SmolLM2's heads: 7.2 ->
             # 1.6 ms a layer against the int8 path of paged_attention, AVX-512 FMAs; AMX tiles
@@ -156,12 +158,24 @@ class Attention(nn.Module):
         ``dtype``: causal attention with no window or softcap over a cache of the keys' dtype
         (``_plain_causal``) or an int8 one (read dequantized: ``_prompt_cache``), bf16 on an AMX
         CPU, or bf16 or float32 where the CPU has AVX-512."""
-        kernel = self._prompts_on_amx(dtype) or (
+        if self.kv_scales is not None:
+            return self._prompts_dequantized(dtype)
+        return self._prompt_kernel_for(dtype) and self._plain_causal(k)
+
+    def _prompt_kernel_for(self, dtype: torch.dtype) -> bool:
+        return self._prompts_on_amx(dtype) or (
             self.kernel_prompts_f32 and dtype in (torch.bfloat16, torch.float32)
         )
-        if self.kv_scales is not None:
-            return kernel and self.sliding_window is None and self.softcap is None
-        return kernel and self._plain_causal(k)
+
+    def _prompts_dequantized(self, dtype: torch.dtype) -> bool:
+        """Whether an int8 cache's prompt chunks go to a prompt kernel with queries of
+        ``dtype``, over their blocks dequantized (``_prompt_cache``)."""
+        return (
+            self.kv_scales is not None
+            and self._prompt_kernel_for(dtype)
+            and self.sliding_window is None
+            and self.softcap is None
+        )
 
     def _prompts_kernel(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The step's prompt chunks in one call, on AMX tiles (csrc/attention_amx.cpp) or on
