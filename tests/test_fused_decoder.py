@@ -161,6 +161,48 @@ def test_quantized_kv_cache_runs_through_the_stack(tiny_model_dir, arch, count_f
     assert fused == plain
 
 
+def test_int8_cache_prompt_steps_run_through_the_stack(tiny_model_dir, count_fused_calls):
+    """Steps of prompt chunks only over an int8 cache (one prompt of 40 tokens; prompts of 20
+    and 24) run through the stack, whose layers hand them to a prompt kernel over the blocks
+    dequantized, as the modules do: the same tokens and log-probs; a step that mixes them with
+    short runs takes the module path."""
+    directory, _ = tiny_model_dir("llama")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    runs = [[list(range(7, 47))], [list(range(3, 23)), list(range(30, 54))]]  # <= 48 rows
+    mixed = [list(range(5, 10)), list(range(7, 47))]
+    got = {}
+    for fused in (True, False):
+        llm = LLM(
+            str(directory),
+            fused_layers=fused,
+            kernels="native",
+            kv_cache_dtype="int8",
+            dtype="bfloat16",
+            download_progress=False,
+        )
+        attn = llm.engine.model.attention_layers()[0]
+        if not attn.prompts_dequantized(torch.bfloat16):
+            pytest.skip("no prompt kernel for an int8 cache on this CPU")
+        outs = []
+        for prompts in runs:
+            count_fused_calls.clear()
+            for o in llm.generate(prompts, params, use_tqdm=False):
+                c = o.outputs[0]
+                outs.append(
+                    (
+                        c.token_ids,
+                        [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs],
+                    )
+                )
+            long_rows = sum(len(p) for p in prompts)
+            assert (long_rows in count_fused_calls) == fused  # the prompts' step: the stack
+        count_fused_calls.clear()
+        llm.generate(mixed, params, use_tqdm=False)
+        assert 45 not in count_fused_calls  # the mixed step: the modules
+        got[fused] = outs
+    assert got[True] == got[False]
+
+
 def test_layer_skip_drafts_run_through_the_stack(tiny_model_dir, count_fused_calls):
     directory, _ = tiny_model_dir("llama")
     spec = {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": [0, 2]}

@@ -43,14 +43,21 @@ class FusedDecoder:
     bound: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]]
     rows_max: int  # largest batch every linear's packed kernel takes
     max_positions: int  # context the RoPE tables cover
-    long_queries: bool  # every layer's attention kernel takes prefills too (bf16 / int8 paths)
+    long_queries: bool  # every layer's attention takes prefills too (bf16 / int8 paths)
+    # some layer's int8 cache takes steps of prompt chunks only on a prompt kernel
+    # (DecoderStack.set_prompt_kernel); the module path splits steps that mix them with short
+    # runs, as the stack does not
+    int8_prompts: bool = False
 
     def usable(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        long = meta.max_query_len > KERNEL_MAX_QUERY_LEN
         if (
-            (meta.max_query_len > KERNEL_MAX_QUERY_LEN and not self.long_queries)
+            (long and not self.long_queries)
             or num_tokens > self.rows_max
             or meta.max_seq_len > self.max_positions
         ):
+            return False
+        if long and self.int8_prompts and int(meta.query_lens.min()) <= KERNEL_MAX_QUERY_LEN:
             return False
         for a, (cache, scales, group, key_mult) in zip(self.attentions, self.bound, strict=True):
             # rebound (one-off scoring passes swap in a cache of their own) or set after the
@@ -151,10 +158,22 @@ def build_fused_decoder(model: nn.Module) -> tuple[FusedDecoder | None, str]:
         )
     attentions = [layer.self_attn.attn for layer in layers]
     bound = [(a.kv_cache, a.kv_scales, a.group, a.key_mult) for a in attentions]
-    # the activations are bf16 where the norms' weights are (the model's dtype)
-    bf16 = layers[0].input_layernorm.weight.dtype == torch.bfloat16
-    long_queries = bf16 and all(a.takes_long_queries(torch.bfloat16) for a in attentions)
-    fused = FusedDecoder(stack, attentions, bound, rows_max, stack.max_positions(), long_queries)
+    # the activations are in the model's dtype, the norms' weights'
+    dtype = layers[0].input_layernorm.weight.dtype
+    # an int8 cache's prompt chunks on a prompt kernel over their blocks dequantized, as the
+    # module path (Attention.prompts_dequantized)
+    int8_prompts = False
+    for i, a in enumerate(attentions):
+        if a.prompts_dequantized(dtype):
+            kind = 2 if a.prompts_on_amx(dtype) else 1
+            stack.set_prompt_kernel(i, kind, KERNEL_MAX_QUERY_LEN)
+            int8_prompts = True
+    long_queries = dtype == torch.bfloat16 and all(
+        a.takes_long_queries(dtype) or a.prompts_dequantized(dtype) for a in attentions
+    )
+    fused = FusedDecoder(
+        stack, attentions, bound, rows_max, stack.max_positions(), long_queries, int8_prompts
+    )
     return fused, ""
 
 

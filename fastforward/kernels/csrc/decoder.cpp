@@ -6,11 +6,13 @@
 // path stays the reference and the fallback for what this does not cover (prefills longer than
 // the attention kernel takes, q/k norms, other weight formats).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "ops.h"
+#include "vec.h"
 
 namespace ff {
 namespace {
@@ -179,7 +181,67 @@ struct Layer {
   at::Tensor query_mult, key_mult;
   int64_t group = 0;  // KV cache group: which block tables and slot mapping
   bool gelu = false;
+  // int8 cache: steps whose query runs are all longer than max_short tokens (prompt chunks
+  // only) go to a prompt kernel over the blocks they read, dequantized (1:
+  // paged_prefill_attention, 2: paged_prefill_attention_amx; 0: paged_attention takes them)
+  int64_t prompts = 0, max_short = 0;
 };
+
+// The blocks the sequences' keys fill, in table order (a block two sequences share comes
+// twice), as a cache [2, n, BS, KVH, D] of dtype dt: each int8 code times its row's scale in
+// fp32, rounded once to dt; table_out: the block table renumbered to it. The same blocks and
+// bits as the module path's (Attention._prompt_cache: blocks_read, then dequantize).
+at::Tensor dequantized_blocks(const at::Tensor& cache, const at::Tensor& scales,
+                              const at::Tensor& table, const at::Tensor& seq_lens,
+                              at::ScalarType dt, at::Tensor& table_out) {
+  TORCH_CHECK(cache.scalar_type() == at::kChar && cache.dim() == 5 && cache.is_contiguous() &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "dequantized_blocks: a contiguous int8 cache and float16 scales expected");
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "dequantized_blocks: bf16 or float32");
+  const int64_t NB = cache.size(1), BS = cache.size(2), KVH = cache.size(3), D = cache.size(4);
+  const auto tab = table.contiguous();
+  const auto lens = seq_lens.contiguous();
+  const int64_t B = tab.size(0), W = tab.size(1);
+  const int64_t* tp = tab.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  table_out = at::zeros_like(tab);
+  int64_t* op = table_out.data_ptr<int64_t>();
+  std::vector<int64_t> src;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = std::min((lp[b] + BS - 1) / BS, W);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t blk = tp[b * W + j];
+      TORCH_CHECK(blk >= 0 && blk < NB, "block ", blk, " outside the cache");
+      op[b * W + j] = int64_t(src.size());
+      src.push_back(blk);
+    }
+  }
+  const int64_t n = int64_t(src.size()), rows = BS * KVH;
+  auto out = at::empty({2, n, BS, KVH, D}, cache.options().dtype(dt));
+  const int8_t* cp = cache.data_ptr<int8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const bool bf16 = dt == at::kBFloat16;
+  auto* ob = reinterpret_cast<uint16_t*>(out.data_ptr());
+  auto* of = reinterpret_cast<float*>(out.data_ptr());
+  at::parallel_for(0, 2 * n, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> row(D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t half = i / n, from = half * NB + src[i % n];
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* c = cp + (from * rows + r) * D;
+        const float sc = static_cast<float>(sp[from * rows + r]);
+        for (int64_t d = 0; d < D; ++d) row[d] = float(c[d]) * sc;
+        const int64_t o = (i * rows + r) * D;
+        if (bf16) {
+          for (int64_t d = 0; d < D; ++d) ob[o + d] = float_to_bf16(row[d]);
+        } else {
+          std::copy(row.begin(), row.end(), of + o);
+        }
+      }
+    }
+  });
+  return out;
+}
 
 }  // namespace
 
@@ -274,6 +336,19 @@ class DecoderStack : public torch::CustomClassHolder {
     layers_.push_back(std::move(L));
   }
 
+  // Layer `layer` (an int8 cache) takes steps of prompt chunks only (every query run longer
+  // than max_short tokens) on a prompt kernel over the blocks they read, dequantized (kind 1:
+  // paged_prefill_attention, 2: paged_prefill_attention_amx), as the module path does.
+  void set_prompt_kernel(int64_t layer, int64_t kind, int64_t max_short) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "no layer ", layer);
+    TORCH_CHECK(kind >= 0 && kind <= 2, "prompt kernel kind 0, 1 or 2");
+    Layer& L = layers_[layer];
+    TORCH_CHECK(kind == 0 || (L.kv_scales && L.window == 0 && L.softcap == 0),
+                "a prompt kernel over dequantized blocks needs an int8 cache, no window or softcap");
+    L.prompts = kind;
+    L.max_short = max_short;
+  }
+
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
   // The longest context the RoPE tables cover (a longer step takes the Python path, which
@@ -306,6 +381,10 @@ class DecoderStack : public torch::CustomClassHolder {
     x = x.contiguous().clone();
     at::Tensor h = rms_norm(x, run[0]->ln1, run[0]->eps1, false);
     const int64_t t = x.size(0);
+    const auto qsl = query_start_loc.contiguous();
+    const int64_t* qs = qsl.data_ptr<int64_t>();
+    int64_t shortest = INT64_MAX;  // the shortest query run
+    for (int64_t b = 0; b + 1 < qsl.size(0); ++b) shortest = std::min(shortest, qs[b + 1] - qs[b]);
     for (size_t i = 0; i < run.size(); ++i) {
       const Layer& L = *run[i];
       StepScratch* s = nullptr;
@@ -313,8 +392,9 @@ class DecoderStack : public torch::CustomClassHolder {
         s = &scratch_;
         s->fit(t, {L.heads, L.kv_heads, L.head_dim, x.size(1), L.gate_up.out_features() / 2}, x);
       }
+      const bool prompts = L.prompts && shortest > L.max_short;
       auto a = attention(L, h, positions, block_tables[L.group], slot_mappings[L.group],
-                         query_start_loc, seq_lens, s);
+                         query_start_loc, seq_lens, s, prompts);
       a = a.contiguous();
       at::Tensor h2;
       if (s) add_rms_norm_out(x, a, L.ln2, L.eps2, false, h2 = s->h2);
@@ -332,11 +412,12 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
  private:
-  // The attention block's output (o's); s: the step's buffers (none: allocate).
+  // The attention block's output (o's); s: the step's buffers (none: allocate); prompts: the
+  // layer's prompt kernel takes the step (Layer::prompts).
   static at::Tensor attention(const Layer& L, const at::Tensor& h, const at::Tensor& positions,
                               const at::Tensor& block_table, const at::Tensor& slot_mapping,
                               const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                              StepScratch* s) {
+                              StepScratch* s, bool prompts) {
     const int64_t t = h.size(0), qd = L.heads * L.head_dim, kd = L.kv_heads * L.head_dim;
     at::Tensor q, k, v;
     if (s && L.qkv.into(h, s->qkv)) {
@@ -360,8 +441,19 @@ class DecoderStack : public torch::CustomClassHolder {
     }
     at::Tensor cache = L.kv_cache;
     write_kv(cache, k, v, slot_mapping, L.kv_scales);
-    auto out = paged_attention(q.contiguous(), L.kv_cache, block_table, query_start_loc,
-                               seq_lens, L.scale, L.window, L.softcap, L.kv_scales);
+    at::Tensor out;
+    if (prompts) {  // the queries in the model's dtype, as the module path's _mixed
+      at::Tensor table;
+      const auto blocks = dequantized_blocks(L.kv_cache, *L.kv_scales, block_table, seq_lens,
+                                             h.scalar_type(), table);
+      const auto qm = q.to(h.scalar_type()).contiguous();
+      out = L.prompts == 2
+                ? paged_prefill_attention_amx(qm, blocks, table, query_start_loc, seq_lens, L.scale)
+                : paged_prefill_attention(qm, blocks, table, query_start_loc, seq_lens, L.scale);
+    } else {
+      out = paged_attention(q.contiguous(), L.kv_cache, block_table, query_start_loc, seq_lens,
+                            L.scale, L.window, L.softcap, L.kv_scales);
+    }
     const auto o_in = out.view({t, qd}).to(h.scalar_type());
     if (s && L.o.into(o_in, s->a)) return s->a;
     return L.o(o_in);
@@ -380,6 +472,7 @@ TORCH_LIBRARY_FRAGMENT(fastforward, m) {
       .def("add_linear", &ff::DecoderStack::add_linear)
       .def("add_concat", &ff::DecoderStack::add_concat)
       .def("add_layer", &ff::DecoderStack::add_layer)
+      .def("set_prompt_kernel", &ff::DecoderStack::set_prompt_kernel)
       .def("num_layers", &ff::DecoderStack::num_layers)
       .def("max_positions", &ff::DecoderStack::max_positions)
       .def("forward", &ff::DecoderStack::forward);
