@@ -92,9 +92,8 @@ class Attention(nn.Module):
 
     def takes_long_queries(self, q_dtype: torch.dtype) -> bool:
         """Whether the kernel serves query runs of any length for queries of ``q_dtype``. Not an
-        int8 cache's prompt chunks where a prompt kernel takes them dequantized
-        (``prompts_dequantized``; a fresh 512-token prompt of SmolLM2's heads: 1.95 ms a layer
-        on AVX-512 FMAs against 4.2 on the int8 kernel's ``vpdpwssd``)."""
+        int8 cache's prompt chunks where a prompt kernel takes them dequantized, faster
+        (``prompts_dequantized``; figures in ``forward``)."""
         cache = self.kv_cache
         if cache is not None and cache.dtype == torch.int8:
             return self.kernel_long_queries_int8 and not self.prompts_dequantized(q_dtype)
@@ -128,9 +127,9 @@ class Attention(nn.Module):
             out = self._kernel(q, meta)
         elif self.kv_scales is not None and self.prompts_dequantized(dtype):
             # prompt chunks over an int8 cache: the blocks they read dequantized for a prompt
-            # kernel in the model's dtype (a fresh 512-token prompt of SmolLM2's heads: 7.2 ->
-            # 1.6 ms a layer against the int8 path of paged_attention, AVX-512 FMAs; AMX tiles
-            # where the CPU has them)
+            # kernel in the model's dtype (a fresh 512-token prompt of SmolLM2's heads: 1.95 ms
+            # a layer on AVX-512 FMAs against 4.2 on paged_attention's vpdpwssd path, 7.2 on its
+            # generic one; AMX tiles where the CPU has them)
             out = self._mixed(q, k, meta, prompts_dtype=dtype)
         elif self.takes_long_queries(q.dtype):
             out = self._kernel(q, meta)
