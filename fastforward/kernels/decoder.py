@@ -4,9 +4,11 @@ A decode step of SmolLM2-135M spends ~25% of its time in Python between the kern
 per layer, 30 layers. ``build_fused_decoder`` hands the loaded model's layers (their packed
 weights, norms, RoPE tables and KV cache slots) to a ``torch.classes.fastforward.DecoderStack``
 once; steps the attention kernel takes (every query run at most ``KERNEL_MAX_QUERY_LEN``
-tokens, or any step where its bf16 path serves every layer) then run all layers in one call, through the same kernels in the same order as the
-modules, so the result is the same to the bit. Everything else (long prefills, q/k norms,
-calibrated key scales, weight formats without a native kernel) keeps the module path.
+tokens, or any step where its bf16 path serves every layer, or an int8 cache's steps of prompt
+chunks only, which its layers hand to a prompt kernel over the blocks dequantized) then run all
+layers in one call, through the same kernels in the same order as the modules, so the result is
+the same to the bit. Everything else (other long prefills, steps mixing an int8 cache's prompt
+chunks with short runs, weight formats without a native kernel) keeps the module path.
 """
 
 from __future__ import annotations
