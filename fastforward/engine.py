@@ -20,6 +20,7 @@ from fastforward import kernels
 from fastforward.calibration import calibration_texts
 from fastforward.config import SchedulerConfig
 from fastforward.detokenizer import IncrementalDetokenizer
+from fastforward.heap import trim_heap
 from fastforward.hub import resolve_model
 from fastforward.kernels.apply import (
     KernelReport,
@@ -167,6 +168,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_config, self.device, args.fused_layers, args.huge_pages
         )
+        trim_heap()  # start-up's freed temporaries (heap.py)
         # a function of the tokenizer alone: a bound method would make a reference cycle
         # through the engine, and engines (with their KV caches) would wait for the gc
         texts = functools.partial(token_texts, self.tokenizer)
