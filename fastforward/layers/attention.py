@@ -125,7 +125,7 @@ class Attention(nn.Module):
             out = self._reference(q, meta)
         elif meta.max_query_len <= KERNEL_MAX_QUERY_LEN:
             out = self._kernel(q, meta)
-        elif self.kv_scales is not None and self.prompts_dequantized(dtype):
+        elif self.prompts_dequantized(dtype):
             # prompt chunks over an int8 cache: the blocks they read dequantized for a prompt
             # kernel in the model's dtype (a fresh 512-token prompt of SmolLM2's heads: 1.95 ms
             # a layer on AVX-512 FMAs against 4.2 on paged_attention's vpdpwssd path, 7.2 on its

@@ -6,13 +6,11 @@
 // path stays the reference and the fallback for what this does not cover (prefills longer than
 // the attention kernel takes, q/k norms, other weight formats).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "ops.h"
-#include "vec.h"
 
 namespace ff {
 namespace {
@@ -188,59 +186,41 @@ struct Layer {
 };
 
 // The blocks the sequences' keys fill, in table order (a block two sequences share comes
-// twice), as a cache [2, n, BS, KVH, D] of dtype dt: each int8 code times its row's scale in
-// fp32, rounded once to dt; table_out: the block table renumbered to it. The same blocks and
-// bits as the module path's (Attention._prompt_cache: blocks_read, then dequantize).
-at::Tensor dequantized_blocks(const at::Tensor& cache, const at::Tensor& scales,
-                              const at::Tensor& table, const at::Tensor& seq_lens,
-                              at::ScalarType dt, at::Tensor& table_out) {
-  TORCH_CHECK(cache.scalar_type() == at::kChar && cache.dim() == 5 && cache.is_contiguous() &&
-                  scales.scalar_type() == at::kHalf && scales.is_contiguous(),
-              "dequantized_blocks: a contiguous int8 cache and float16 scales expected");
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "dequantized_blocks: bf16 or float32");
-  const int64_t NB = cache.size(1), BS = cache.size(2), KVH = cache.size(3), D = cache.size(4);
+// twice), and the block table renumbered to index that list (Attention's blocks_read).
+struct BlocksRead {
+  at::Tensor blocks, table;
+};
+
+BlocksRead blocks_read(const at::Tensor& table, const at::Tensor& seq_lens, int64_t block_size,
+                       int64_t num_blocks) {
   const auto tab = table.contiguous();
   const auto lens = seq_lens.contiguous();
   const int64_t B = tab.size(0), W = tab.size(1);
   const int64_t* tp = tab.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  table_out = at::zeros_like(tab);
-  int64_t* op = table_out.data_ptr<int64_t>();
+  BlocksRead r{at::empty({0}, tab.options()), at::zeros_like(tab)};
+  int64_t* op = r.table.data_ptr<int64_t>();
   std::vector<int64_t> src;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = std::min((lp[b] + BS - 1) / BS, W);
+    const int64_t n = std::min((lp[b] + block_size - 1) / block_size, W);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t blk = tp[b * W + j];
-      TORCH_CHECK(blk >= 0 && blk < NB, "block ", blk, " outside the cache");
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block ", blk, " outside the cache");
       op[b * W + j] = int64_t(src.size());
       src.push_back(blk);
     }
   }
-  const int64_t n = int64_t(src.size()), rows = BS * KVH;
-  auto out = at::empty({2, n, BS, KVH, D}, cache.options().dtype(dt));
-  const int8_t* cp = cache.data_ptr<int8_t>();
-  const at::Half* sp = scales.data_ptr<at::Half>();
-  const bool bf16 = dt == at::kBFloat16;
-  auto* ob = reinterpret_cast<uint16_t*>(out.data_ptr());
-  auto* of = reinterpret_cast<float*>(out.data_ptr());
-  at::parallel_for(0, 2 * n, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> row(D);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t half = i / n, from = half * NB + src[i % n];
-      for (int64_t r = 0; r < rows; ++r) {
-        const int8_t* c = cp + (from * rows + r) * D;
-        const float sc = static_cast<float>(sp[from * rows + r]);
-        for (int64_t d = 0; d < D; ++d) row[d] = float(c[d]) * sc;
-        const int64_t o = (i * rows + r) * D;
-        if (bf16) {
-          for (int64_t d = 0; d < D; ++d) ob[o + d] = float_to_bf16(row[d]);
-        } else {
-          std::copy(row.begin(), row.end(), of + o);
-        }
-      }
-    }
-  });
-  return out;
+  r.blocks = at::tensor(src, tab.options());
+  return r;
+}
+
+// Those blocks of an int8 cache [2, NB, BS, KVH, D] as a cache of dtype dt: the same ATen ops
+// as the module path's kv.quant.dequantize (codes times scales in fp32, rounded once to dt).
+at::Tensor dequantize_blocks(const at::Tensor& cache, const at::Tensor& scales,
+                             const at::Tensor& blocks, at::ScalarType dt) {
+  const auto codes = cache.index_select(1, blocks).to(at::kFloat);
+  const auto sc = scales.index_select(1, blocks).to(at::kFloat).unsqueeze(-1);
+  return (codes * sc).to(dt);
 }
 
 }  // namespace
@@ -385,6 +365,8 @@ class DecoderStack : public torch::CustomClassHolder {
     const int64_t* qs = qsl.data_ptr<int64_t>();
     int64_t shortest = INT64_MAX;  // the shortest query run
     for (int64_t b = 0; b + 1 < qsl.size(0); ++b) shortest = std::min(shortest, qs[b + 1] - qs[b]);
+    // per KV group, built by its first layer whose prompt kernel takes the step
+    std::vector<std::optional<BlocksRead>> read(block_tables.size());
     for (size_t i = 0; i < run.size(); ++i) {
       const Layer& L = *run[i];
       StepScratch* s = nullptr;
@@ -392,7 +374,13 @@ class DecoderStack : public torch::CustomClassHolder {
         s = &scratch_;
         s->fit(t, {L.heads, L.kv_heads, L.head_dim, x.size(1), L.gate_up.out_features() / 2}, x);
       }
-      const bool prompts = L.prompts && shortest > L.max_short;
+      const BlocksRead* prompts = nullptr;
+      if (L.prompts && shortest > L.max_short) {
+        auto& r = read[L.group];
+        if (!r) r = blocks_read(block_tables[L.group], seq_lens, L.kv_cache.size(2),
+                                L.kv_cache.size(1));
+        prompts = &*r;
+      }
       auto a = attention(L, h, positions, block_tables[L.group], slot_mappings[L.group],
                          query_start_loc, seq_lens, s, prompts);
       a = a.contiguous();
@@ -413,11 +401,11 @@ class DecoderStack : public torch::CustomClassHolder {
 
  private:
   // The attention block's output (o's); s: the step's buffers (none: allocate); prompts: the
-  // layer's prompt kernel takes the step (Layer::prompts).
+  // blocks the step reads, where the layer's prompt kernel takes it (Layer::prompts).
   static at::Tensor attention(const Layer& L, const at::Tensor& h, const at::Tensor& positions,
                               const at::Tensor& block_table, const at::Tensor& slot_mapping,
                               const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                              StepScratch* s, bool prompts) {
+                              StepScratch* s, const BlocksRead* prompts) {
     const int64_t t = h.size(0), qd = L.heads * L.head_dim, kd = L.kv_heads * L.head_dim;
     at::Tensor q, k, v;
     if (s && L.qkv.into(h, s->qkv)) {
@@ -443,10 +431,10 @@ class DecoderStack : public torch::CustomClassHolder {
     write_kv(cache, k, v, slot_mapping, L.kv_scales);
     at::Tensor out;
     if (prompts) {  // the queries in the model's dtype, as the module path's _mixed
-      at::Tensor table;
-      const auto blocks = dequantized_blocks(L.kv_cache, *L.kv_scales, block_table, seq_lens,
-                                             h.scalar_type(), table);
+      const auto blocks =
+          dequantize_blocks(L.kv_cache, *L.kv_scales, prompts->blocks, h.scalar_type());
       const auto qm = q.to(h.scalar_type()).contiguous();
+      const auto& table = prompts->table;
       out = L.prompts == 2
                 ? paged_prefill_attention_amx(qm, blocks, table, query_start_loc, seq_lens, L.scale)
                 : paged_prefill_attention(qm, blocks, table, query_start_loc, seq_lens, L.scale);
