@@ -96,8 +96,9 @@ class EngineArgs:
     # With the native kernels, decode-sized steps run all layers in one C++ call
     # (fastforward/kernels/decoder.py); False keeps the per-module path (to measure it).
     fused_layers: bool = True
-    # On a Linux CPU, copy the weights into one buffer of 2 MiB pages (fastforward/huge_pages.py);
-    # False leaves them in PyTorch's allocations (to measure what the pages gain).
+    # On a Linux CPU, copy the weights into one buffer of 2 MiB pages and allocate the KV cache
+    # in another (fastforward/huge_pages.py); False leaves both to PyTorch's allocator (to
+    # measure what the pages gain).
     huge_pages: bool = True
     # Speculative decoding (fastforward.spec_decode.config.SpeculativeConfig, a dict of its
     # fields or their JSON): {"method": "ngram" | "draft_model" | "layer_skip",

@@ -10,13 +10,17 @@ decode of SmolLM2-135M on a 2-core AMX Xeon: ~12.6 -> ~11.7 ms a token (docs/cpu
 
 Only tensors that own their whole storage move, and a storage referenced in any other way stays
 where it is, so aliasing (tied or shared weights, views into one buffer) is kept.
+
+The runner allocates the KV cache the same way (``huge_page_zeros``): decode attention reads each
+sequence's blocks wherever the block pool put them, a new 4 KiB page every block or two.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import mmap
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +36,11 @@ STATE_ATTRIBUTES = frozenset({"kv_cache", "kv_scales"})
 
 
 @dataclass(frozen=True, slots=True)
-class GatheredWeights:
-    """What ``gather_weights`` moved: ``tensors`` tensors, ``nbytes`` bytes, of which
-    ``huge_page_bytes`` were backed by huge pages right after the copy (None where the kernel
-    does not say)."""
+class HugePageTensors:
+    """Tensors placed in a huge-page buffer (moved there by ``gather_weights`` or allocated
+    by ``huge_page_zeros``): ``tensors`` tensors, ``nbytes`` bytes, of which
+    ``huge_page_bytes`` were backed by huge pages right after (None where the kernel does not
+    say)."""
 
     tensors: int
     nbytes: int
@@ -61,6 +66,34 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
     skip = -whole.data_ptr() % HUGE_PAGE
     return whole[skip : skip + nbytes]
+
+
+def huge_page_zeros(
+    layout: Sequence[tuple[tuple[int, ...], torch.dtype]],
+) -> tuple[list[torch.Tensor], HugePageTensors]:
+    """Zeroed CPU tensors of ``layout``'s (shape, dtype)s carved from one huge-page buffer, each
+    on an ``ALIGN`` boundary, and what was placed. Every page is touched first, so the memory
+    is resident from now on as ``torch.zeros``' would be. Raises OSError where huge pages
+    cannot be advised."""
+    spans = [-(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN for shape, dtype in layout]
+    buffer = huge_page_buffer(sum(spans))
+    buffer[:: mmap.PAGESIZE].zero_()  # one write a page: the kernel zeroes the rest
+    tensors, offset = [], 0
+    for (shape, dtype), span in zip(layout, spans, strict=True):
+        nbytes = math.prod(shape) * dtype.itemsize
+        tensors.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
+        offset += span
+    backed = mapped_huge_page_bytes(buffer)  # of the mapping, which may have merged with others
+    placed = HugePageTensors(
+        len(tensors), buffer.nbytes, None if backed is None else min(backed, buffer.nbytes)
+    )
+    logger.info(
+        "%d tensors, %.1f MiB allocated in huge pages (%s MiB backed)",
+        placed.tensors,
+        placed.nbytes / 2**20,
+        "?" if backed is None else f"{placed.huge_page_bytes / 2**20:.0f}",
+    )
+    return tensors, placed
 
 
 def mapped_huge_page_bytes(t: torch.Tensor) -> int | None:
@@ -103,7 +136,7 @@ def _movable(t: torch.Tensor) -> bool:
     )
 
 
-def gather_weights(model: nn.Module) -> GatheredWeights:
+def gather_weights(model: nn.Module) -> HugePageTensors:
     """Move ``model``'s weight tensors into one huge-page buffer (see the module docstring).
 
     Every reference to a moved storage is re-pointed to the same view, so the model computes
@@ -120,7 +153,7 @@ def gather_weights(model: nn.Module) -> GatheredWeights:
         ):
             moving[ptr] = refs
     if not moving:
-        return GatheredWeights(0, 0, 0)
+        return HugePageTensors(0, 0, 0)
 
     def span(t: torch.Tensor) -> int:  # its bytes, rounded up to ALIGN
         return -(-t.nbytes // ALIGN) * ALIGN
@@ -139,7 +172,7 @@ def gather_weights(model: nn.Module) -> GatheredWeights:
             else:
                 owner[key] = new
         offset += span(old)
-    gathered = GatheredWeights(
+    gathered = HugePageTensors(
         sum(len(r) for r in moving.values()), total, mapped_huge_page_bytes(buffer)
     )
     logger.info(

@@ -11,9 +11,14 @@ import torch
 from torch import nn
 
 from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
-from fastforward.huge_pages import GatheredWeights, gather_weights, huge_pages_supported
+from fastforward.huge_pages import (
+    HugePageTensors,
+    gather_weights,
+    huge_page_zeros,
+    huge_pages_supported,
+)
 from fastforward.kernels.decoder import build_fused_decoder
-from fastforward.kv.quant import allocate_kv_cache
+from fastforward.kv.quant import allocate_kv_cache, kv_cache_layout
 from fastforward.kv.spec import KVCacheConfig
 from fastforward.layers.logprobs import TokenLogprob, score_positions
 from fastforward.request import Request
@@ -52,16 +57,45 @@ class StepResult:
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
-def _gather_weights(model: nn.Module, device: torch.device) -> tuple[GatheredWeights | None, str]:
-    """``gather_weights`` where it applies: (what moved, "") or (None, why not)."""
+def _no_huge_pages(device: torch.device) -> str:
+    """Why tensors on ``device`` cannot go into huge pages here ("" where they can)."""
     if device.type != "cpu":
-        return None, f"weights on {device.type}, huge pages are for CPU memory"
+        return f"tensors on {device.type}, huge pages are for CPU memory"
     if not huge_pages_supported():
-        return None, "this OS has no transparent huge pages"
+        return "this OS has no transparent huge pages"
+    return ""
+
+
+def _gather_weights(model: nn.Module, device: torch.device) -> tuple[HugePageTensors | None, str]:
+    """``gather_weights`` where it applies: (what moved, "") or (None, why not)."""
+    if reason := _no_huge_pages(device):
+        return None, reason
     try:
         return gather_weights(model), ""
     except OSError as e:  # the advice refused: the weights stay where they are
         return None, f"MADV_HUGEPAGE failed: {e}"
+
+
+def _allocate_kv_slots(
+    shape: tuple[int, ...], dtype: torch.dtype, num_slots: int, device: torch.device, huge: bool
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], HugePageTensors | None, str]:
+    """Each KV slot's (cache, scales or None), zeroed, and where they are: in one huge-page
+    buffer (what was placed, "") or from PyTorch's allocator (None, why). Decode attention
+    reads each sequence's blocks wherever the pool put them, a new page every block or two:
+    in 2 MiB pages those reads miss the TLB far less (decode attention 5-10% faster a layer,
+    docs/cpu.md)."""
+    layout = kv_cache_layout(shape, dtype)
+    reason = _no_huge_pages(device) if huge else "huge_pages=False"
+    if not reason:
+        try:
+            tensors, placed = huge_page_zeros(layout * num_slots)
+        except OSError as e:
+            reason = f"MADV_HUGEPAGE failed: {e}"
+        else:
+            n = len(layout)  # (cache, scales) or (cache,) a slot
+            scales = tensors[1::n] if n > 1 else [None] * num_slots
+            return list(zip(tensors[::n], scales, strict=True)), placed, ""
+    return [allocate_kv_cache(shape, dtype, device) for _ in range(num_slots)], None, reason
 
 
 class ModelRunner:
@@ -87,7 +121,9 @@ class ModelRunner:
         spec = kv_config.groups[0].spec
         shape = (2, kv_config.num_blocks, kv_config.block_size, spec.num_kv_heads, spec.head_dim)
         # a quantized cache keeps one scale per (token, head) vector beside each slot tensor
-        slots = [allocate_kv_cache(shape, spec.dtype, device) for _ in range(kv_config.num_slots)]
+        slots, self.kv_huge_pages, self.kv_huge_pages_reason = _allocate_kv_slots(
+            shape, spec.dtype, kv_config.num_slots, device, huge_pages
+        )
         self.kv_caches = [cache for cache, _ in slots]
         self.kv_scales = [scales for _, scales in slots]
         self._bind_kv_caches()

@@ -1,5 +1,6 @@
-"""Weights gathered into one buffer of 2 MiB pages (fastforward/huge_pages.py): the model computes
-exactly what it did, shared storages stay shared, and the engine option switches it."""
+"""Weights gathered into one buffer of 2 MiB pages and the KV cache allocated in another
+(fastforward/huge_pages.py): the model computes exactly what it did, shared storages stay shared,
+and the engine option switches both."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from torch import nn
 
 from fastforward import LLM, SamplingParams
 from fastforward.huge_pages import (
+    ALIGN,
     HUGE_PAGE,
     gather_weights,
     huge_page_buffer,
+    huge_page_zeros,
     huge_pages_supported,
     mapped_huge_page_bytes,
 )
@@ -40,6 +43,21 @@ def test_buffer_is_aligned_zeroed_and_backed():
     backed = mapped_huge_page_bytes(buf)
     if _thp_mode() in ("always", "madvise") and backed is not None:
         assert backed >= HUGE_PAGE, f"THP is {_thp_mode()} but no huge page backs the buffer"
+
+
+def test_zeros_are_separate_aligned_tensors_in_one_backed_buffer():
+    layout = [((2, 3, 16, 5), torch.bfloat16), ((7,), torch.float16), ((2, 300, 4), torch.int8)]
+    tensors, placed = huge_page_zeros(layout)
+    assert [(tuple(t.shape), t.dtype) for t in tensors] == layout
+    assert placed.tensors == 3 and placed.nbytes >= sum(t.nbytes for t in tensors)
+    assert all(t.data_ptr() % ALIGN == 0 and int(t.count_nonzero()) == 0 for t in tensors)
+    ends = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
+    assert all(e <= s for (_, e), (s, _) in zip(ends, ends[1:], strict=False))  # no overlap
+    assert ends[-1][1] - ends[0][0] <= placed.nbytes  # all in the one buffer
+    tensors[1].fill_(3.0)  # writing one leaves the others zero
+    assert int(tensors[0].count_nonzero()) == 0 and int(tensors[2].count_nonzero()) == 0
+    if _thp_mode() in ("always", "madvise") and placed.huge_page_bytes is not None:
+        assert placed.huge_page_bytes > 0, f"THP is {_thp_mode()} but no huge page backs it"
 
 
 class _Shared(nn.Module):
@@ -96,6 +114,7 @@ def _generate(directory, huge_pages: bool, **kw):
         ("llama3-rope-tied", {}),
         ("llama3-rope-tied", {"kernels": "torch"}),
         ("qwen2", {"quantization": "int8"}),
+        ("qwen2", {"kv_cache_dtype": "int8"}),
     ],
 )
 def test_engine_output_is_unchanged(tiny_model_dir, arch, kw):
@@ -104,7 +123,19 @@ def test_engine_output_is_unchanged(tiny_model_dir, arch, kw):
     runner = paged.engine.runner
     assert runner.huge_pages is not None, runner.huge_pages_reason
     assert runner.huge_pages.tensors > 0 and runner.huge_pages.nbytes > 0
+    # the KV cache (and an int8 cache's scales) in one huge-page buffer
+    kv = [t for t in runner.kv_caches + runner.kv_scales if t is not None]
+    assert runner.kv_huge_pages is not None, runner.kv_huge_pages_reason
+    assert (
+        runner.kv_huge_pages.tensors
+        == len(kv)
+        == len(runner.kv_caches) * (2 if kw.get("kv_cache_dtype") == "int8" else 1)
+    )
+    lo = min(t.data_ptr() for t in kv)
+    assert max(t.data_ptr() + t.nbytes for t in kv) - lo <= runner.kv_huge_pages.nbytes
     plain, without = _generate(directory, False, **kw)
     assert plain.engine.runner.huge_pages is None
     assert plain.engine.runner.huge_pages_reason == "huge_pages=False"
+    assert plain.engine.runner.kv_huge_pages is None
+    assert plain.engine.runner.kv_huge_pages_reason == "huge_pages=False"
     assert with_pages == without

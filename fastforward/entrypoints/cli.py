@@ -105,8 +105,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         "--no-huge-pages",
         dest="huge_pages",
         action="store_false",
-        help="leave the weights in PyTorch's allocations instead of one buffer of 2 MiB pages "
-        "(Linux; to measure what the pages gain)",
+        help="leave the weights and the KV cache in PyTorch's allocations instead of buffers "
+        "of 2 MiB pages (Linux; to measure what the pages gain)",
     )
     g.add_argument(
         "--no-prefix-caching",

@@ -38,16 +38,25 @@ def scale_bytes(dtype: torch.dtype) -> int:
     return SCALE_DTYPE.itemsize if is_quantized(dtype) else 0
 
 
+def kv_cache_layout(
+    shape: tuple[int, ...], dtype: torch.dtype
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The (shape, dtype) of a KV slot's tensors: the cache ``[2, num_blocks, block_size, KVH,
+    D]`` of ``dtype`` and, if that dtype is quantized, its scales ``[2, num_blocks, block_size,
+    KVH]``."""
+    layout = [(tuple(shape), dtype)]
+    if is_quantized(dtype):
+        layout.append((tuple(shape[:-1]), SCALE_DTYPE))
+    return layout
+
+
 def allocate_kv_cache(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A zeroed cache ``[2, num_blocks, block_size, KVH, D]`` of ``dtype`` and, if that dtype
     is quantized, its scales ``[2, num_blocks, block_size, KVH]`` (else None)."""
-    cache = torch.zeros(shape, dtype=dtype, device=device)
-    scales = (
-        torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if is_quantized(dtype) else None
-    )
-    return cache, scales
+    tensors = [torch.zeros(s, dtype=d, device=device) for s, d in kv_cache_layout(shape, dtype)]
+    return tensors[0], tensors[1] if len(tensors) > 1 else None
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
