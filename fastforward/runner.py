@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fastforward.attention.metadata import AttentionMetadata, GroupMetadata
+from fastforward.heap import trim_heap
 from fastforward.huge_pages import (
     HugePageTensors,
     gather_weights,
@@ -120,6 +121,7 @@ class ModelRunner:
         self.device = device
         spec = kv_config.groups[0].spec
         shape = (2, kv_config.num_blocks, kv_config.block_size, spec.num_kv_heads, spec.head_dim)
+        trim_heap()  # the weights' copies freed by the gather, before the cache is touched
         # a quantized cache keeps one scale per (token, head) vector beside each slot tensor
         slots, self.kv_huge_pages, self.kv_huge_pages_reason = _allocate_kv_slots(
             shape, spec.dtype, kv_config.num_slots, device, huge_pages
