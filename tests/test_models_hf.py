@@ -12,7 +12,9 @@ from fastforward.engine import kv_specs
 from fastforward.kernels.apply import apply_cpu_kernels
 from fastforward.kv.calibrate import pair_rotary
 from fastforward.kv.spec import make_kv_cache_config
-from fastforward.loader.model_loader import load_model
+from fastforward.loader.model_loader import load_model, open_checkpoint
+from fastforward.models.config import model_config_from_dict
+from fastforward.models.registry import model_class
 from fastforward.request import Request
 from fastforward.runner import ModelRunner
 from fastforward.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -148,3 +150,26 @@ def test_greedy_generation_matches_hf(tiny_model_dir, arch):
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == _hf_greedy(hf_model, prompt, 20)
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.kv_config.num_blocks - 1
+
+
+def test_model_built_on_meta_draws_no_random_init(tiny_model_dir, monkeypatch):
+    """load_model builds on the meta device: no module draws an init there (a process's first
+    normal_ on meta costs ~1 s of PyTorch's lazy set-up, for values the checkpoint replaces);
+    built on a real device, the embedding still gets nn.Embedding's N(0, 1) init."""
+    directory, _ = tiny_model_dir("llama")
+    drawn_on_meta = []
+    real_normal = torch.nn.init.normal_
+
+    def normal_(t, *args, **kwargs):
+        drawn_on_meta.append(t.is_meta)
+        return real_normal(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.init, "normal_", normal_)
+    loaded = load_model(directory, torch.float32, torch.device("cpu"))
+    assert not any(drawn_on_meta)
+    assert torch.isfinite(loaded.model.embed_tokens.weight).all()
+
+    config = model_config_from_dict(open_checkpoint(directory).hf_config())
+    torch.manual_seed(0)
+    w = model_class(config)(config).embed_tokens.weight
+    assert 0.9 < float(w.std()) < 1.1 and abs(float(w.mean())) < 0.05

@@ -108,7 +108,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # nn.Embedding would draw its own normal init; on the meta device, where load_model
+        # builds the model, a process's first normal_ costs ~1 s of PyTorch's lazy set-up, for
+        # values the checkpoint replaces anyway
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = self.make_norm(cfg.hidden_size)
         self.lm_head = (
