@@ -414,3 +414,22 @@ def test_smollm2_gguf_packed_tensors_match_the_file(smollm2_path):
     codes = decode_blocks(ckpt.file.raw(down), down.qtype, down.shape)
     assert torch.equal(model.layers[3].mlp.down_proj.unpacked_codes(), codes.codes)
     assert weight_stats(model).bits_per_weight < 6
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_tensors_dequantize_as_gguf_does(smollm2_path):
+    """The float tensors a GGUF file loads as (our block decoder for its Q4_1 and Q8_0
+    matrices) are gguf's own dequantization, bit for bit, in the order the file holds them."""
+    ckpt = GGUFCheckpoint(smollm2_path)
+    cfg = ckpt.hf_config()
+    got = dict(ckpt.tensors())
+    seen = set()
+    for info in ckpt.file.tensors.values():
+        name = ckpt.hf_name(info.name)
+        if name is None:
+            continue
+        seen.add(info.qtype)
+        data = gguf_dequantize(ckpt.file.raw(info), info.qtype).reshape(info.shape)
+        want = ckpt._undo_conversion(info.name, data, cfg)
+        assert np.array_equal(got[name].numpy().view(np.uint32), want.view(np.uint32)), name
+    assert seen & set(FOUR_BIT) and seen & set(PACKABLE) - set(FOUR_BIT)
