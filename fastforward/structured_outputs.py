@@ -208,9 +208,14 @@ class GrammarCompiler:
             grammar, error = self._compile(params)
         except (ValueError, TypeError, RecursionError) as e:
             raise ValueError(f"invalid structured output {kind}: {e}") from None
+        what = "JSON schema" if kind in ("json", "json_object") else kind
         if error and not error.startswith("WARNING"):
-            what = "JSON schema" if kind in ("json", "json_object") else kind
             raise ValueError(f"invalid structured output {what}: {error.strip()}")
+        if not self._can_begin(grammar):
+            raise ValueError(
+                f"invalid structured output {what}: no token of this model's vocabulary can "
+                "begin an output that matches it"
+            )
         if len(self._grammars) > 256:
             self._grammars.clear()
         self._grammars[key] = grammar
@@ -231,6 +236,22 @@ class GrammarCompiler:
         else:
             grammar = LLMatcher.grammar_from_lark(params.grammar)
         return grammar, LLMatcher.validate_grammar(grammar, self.tokenizer)
+
+    def _can_begin(self, grammar: str) -> bool:
+        """Whether some vocabulary token can begin an output of ``grammar`` (or the empty
+        output is already complete). Where the grammar forces text that spells a special token
+        (a regex ``<s>``), llguidance's mask offers that token alone and then refuses to
+        consume it, which mid-request is an engine error: each offered token is tried until
+        one is taken."""
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self.tokenizer, grammar, log_level=0)
+        if m.is_error() or m.is_accepting():
+            return True  # matcher() reports an error; an accepting start can finish at once
+        bitmask = torch.zeros(1, (self._vocab_size + 31) // 32, dtype=torch.int32)
+        self.fill_bitmask([m], bitmask)
+        offered = bitmask_to_bool(bitmask, self._vocab_size)[0].nonzero().flatten().tolist()
+        return any(m.validate_tokens([t]) == 1 for t in offered)
 
     def _json_grammar(self, schema: dict[str, Any] | str) -> tuple[str, str]:
         """A JSON Schema's grammar, with objects closed (``closed_objects``).

@@ -192,6 +192,8 @@ def test_bad_constraints_raise_naming_the_problem(llm):
         ({"regex": "(("}, "unclosed group"),
         ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),  # can't enforce: refused
         ({"grammar": "start: undefined_rule"}, "undefined_rule"),
+        # forced text that spells a special token: llguidance offers the token, then refuses it
+        ({"regex": r"<\|im_start\|>"}, "no token of this model's vocabulary"),
     ]
     for so, needle in cases:
         with pytest.raises(ValueError, match=re.escape(needle)):
