@@ -68,6 +68,37 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return whole[skip : skip + nbytes]
 
 
+def _carve(
+    layout: Sequence[tuple[tuple[int, ...], torch.dtype]],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One huge-page buffer for tensors of ``layout``'s (shape, dtype)s, one after another and
+    each on an ``ALIGN`` boundary: (the buffer, their views into it)."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in layout]
+    spans = [-(-n // ALIGN) * ALIGN for n in sizes]
+    buffer = huge_page_buffer(sum(spans))
+    views, offset = [], 0
+    for (shape, dtype), n, span in zip(layout, sizes, spans, strict=True):
+        views.append(buffer[offset : offset + n].view(dtype).view(shape))
+        offset += span
+    return buffer, views
+
+
+def _placed(buffer: torch.Tensor, tensors: int, what: str) -> HugePageTensors:
+    """What a buffer from ``_carve`` holds (logged): huge pages backing it now, where known."""
+    backed = mapped_huge_page_bytes(buffer)  # of the mapping, which may have merged with others
+    placed = HugePageTensors(
+        tensors, buffer.nbytes, None if backed is None else min(backed, buffer.nbytes)
+    )
+    logger.info(
+        "%s: %d tensors, %.1f MiB in huge pages (%s MiB backed)",
+        what,
+        placed.tensors,
+        placed.nbytes / 2**20,
+        "?" if placed.huge_page_bytes is None else f"{placed.huge_page_bytes / 2**20:.0f}",
+    )
+    return placed
+
+
 def huge_page_zeros(
     layout: Sequence[tuple[tuple[int, ...], torch.dtype]],
 ) -> tuple[list[torch.Tensor], HugePageTensors]:
@@ -75,25 +106,9 @@ def huge_page_zeros(
     on an ``ALIGN`` boundary, and what was placed. Every page is touched first, so the memory
     is resident from now on as ``torch.zeros``' would be. Raises OSError where huge pages
     cannot be advised."""
-    spans = [-(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN for shape, dtype in layout]
-    buffer = huge_page_buffer(sum(spans))
+    buffer, tensors = _carve(layout)
     buffer[:: mmap.PAGESIZE].zero_()  # one write a page: the kernel zeroes the rest
-    tensors, offset = [], 0
-    for (shape, dtype), span in zip(layout, spans, strict=True):
-        nbytes = math.prod(shape) * dtype.itemsize
-        tensors.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
-        offset += span
-    backed = mapped_huge_page_bytes(buffer)  # of the mapping, which may have merged with others
-    placed = HugePageTensors(
-        len(tensors), buffer.nbytes, None if backed is None else min(backed, buffer.nbytes)
-    )
-    logger.info(
-        "%d tensors, %.1f MiB allocated in huge pages (%s MiB backed)",
-        placed.tensors,
-        placed.nbytes / 2**20,
-        "?" if backed is None else f"{placed.huge_page_bytes / 2**20:.0f}",
-    )
-    return tensors, placed
+    return tensors, _placed(buffer, len(tensors), "zeroed")
 
 
 def mapped_huge_page_bytes(t: torch.Tensor) -> int | None:
@@ -155,30 +170,13 @@ def gather_weights(model: nn.Module) -> HugePageTensors:
     if not moving:
         return HugePageTensors(0, 0, 0)
 
-    def span(t: torch.Tensor) -> int:  # its bytes, rounded up to ALIGN
-        return -(-t.nbytes // ALIGN) * ALIGN
-
-    total = sum(span(refs[0][2]) for refs in moving.values())
-    buffer = huge_page_buffer(total)
-    offset = 0
-    for refs in moving.values():
-        old = refs[0][2]
-        new = buffer[offset : offset + old.nbytes].view(old.dtype).view(old.shape)
+    buffer, views = _carve([(refs[0][2].shape, refs[0][2].dtype) for refs in moving.values()])
+    for refs, new in zip(moving.values(), views, strict=True):
         with torch.no_grad():
-            new.copy_(old)
+            new.copy_(refs[0][2])
         for owner, key, t in refs:
             if isinstance(t, nn.Parameter):
                 owner[key] = nn.Parameter(new, requires_grad=t.requires_grad)
             else:
                 owner[key] = new
-        offset += span(old)
-    gathered = HugePageTensors(
-        sum(len(r) for r in moving.values()), total, mapped_huge_page_bytes(buffer)
-    )
-    logger.info(
-        "weights: %d tensors, %.1f MiB gathered into huge pages (%s MiB backed)",
-        gathered.tensors,
-        total / 2**20,
-        "?" if gathered.huge_page_bytes is None else f"{gathered.huge_page_bytes / 2**20:.0f}",
-    )
-    return gathered
+    return _placed(buffer, sum(len(r) for r in moving.values()), "weights gathered")

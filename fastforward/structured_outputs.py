@@ -248,9 +248,7 @@ class GrammarCompiler:
         m = LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error() or m.is_accepting():
             return True  # matcher() reports an error; an accepting start can finish at once
-        bitmask = torch.zeros(1, (self._vocab_size + 31) // 32, dtype=torch.int32)
-        self.fill_bitmask([m], bitmask)
-        offered = bitmask_to_bool(bitmask, self._vocab_size)[0].nonzero().flatten().tolist()
+        offered = self.allowed_tokens([m], self._vocab_size)[0].nonzero().flatten().tolist()
         return any(m.validate_tokens([t]) == 1 for t in offered)
 
     def _json_grammar(self, schema: dict[str, Any] | str) -> tuple[str, str]:
@@ -295,6 +293,12 @@ class GrammarCompiler:
             self._finish_classes = FinishClasses.from_texts(texts, vocab, self._eos)
         return self._finish_classes
 
+    def allowed_tokens(self, matchers: list, vocab: int) -> torch.Tensor:
+        """[R, vocab] bool: the tokens each matcher allows next."""
+        bitmask = torch.zeros(len(matchers), (vocab + 31) // 32, dtype=torch.int32)
+        self.fill_bitmask(matchers, bitmask)
+        return bitmask_to_bool(bitmask, vocab)
+
     def fill_bitmask(self, matchers: list, bitmask: torch.Tensor) -> None:
         """Allowed-token bits of each matcher into row ``i`` of ``bitmask`` [R, ceil(V/32)]
         int32, computed in parallel threads."""
@@ -322,9 +326,8 @@ def apply_grammar_masks(logits: torch.Tensor, requests: list, compiler: GrammarC
     if not rows:
         return
     vocab = logits.shape[1]
-    bitmask = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int32)
-    compiler.fill_bitmask([requests[i].grammar for i in rows], bitmask)
-    allowed = bitmask_to_bool(bitmask, vocab).to(logits.device)  # [R, V]
+    allowed = compiler.allowed_tokens([requests[i].grammar for i in rows], vocab)
+    allowed = allowed.to(logits.device)  # [R, V]
     if any(requests[i].sampling_params.structured_outputs.finish_reserve for i in rows):
         classes = compiler.finish_classes(vocab)
         finishing = [j for j, i in enumerate(rows) if in_finish_window(requests[i], classes)]
