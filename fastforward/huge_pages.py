@@ -156,7 +156,9 @@ def gather_weights(model: nn.Module) -> HugePageTensors:
 
     Every reference to a moved storage is re-pointed to the same view, so the model computes
     exactly what it did. Raises OSError where huge pages cannot be advised."""
-    slots = list(_tensor_slots(model))
+    # an opaque tensor (oneDNN's prepacked weight, layout ``torch._mkldnn``) owns memory
+    # PyTorch cannot reach or re-point: it stays where oneDNN put it
+    slots = [s for s in _tensor_slots(model) if s[2].layout == torch.strided]
     by_storage: dict[int, list[tuple[dict, str, torch.Tensor]]] = {}
     for slot in slots:
         by_storage.setdefault(slot[2].untyped_storage().data_ptr(), []).append(slot)

@@ -20,6 +20,7 @@ from fastforward.huge_pages import (
     huge_pages_supported,
     mapped_huge_page_bytes,
 )
+from fastforward.kernels.linear import onednn_prepack
 
 pytestmark = pytest.mark.skipif(not huge_pages_supported(), reason="no MADV_HUGEPAGE here")
 
@@ -70,6 +71,9 @@ class _Shared(nn.Module):
         self.rows = self.table[:10]  # a view: its storage must stay where it is
         self.extra = torch.arange(1000, dtype=torch.int32)  # a plain tensor attribute
         self.kv_cache = torch.zeros(4, 4)  # state, never moved
+        # oneDNN's prepacked copy of a weight (PackedLinear.onednn on a CPU with AVX512-BF16
+        # and no AMX): an opaque tensor with no storage to move; it must stay usable
+        self.onednn = onednn_prepack(torch.randn(48, 64).bfloat16())
 
 
 def test_gather_keeps_values_and_sharing():
@@ -91,6 +95,8 @@ def test_gather_keeps_values_and_sharing():
         assert torch.equal(v, before[k]), k
     assert torch.equal(m.extra, torch.arange(1000, dtype=torch.int32))
     assert torch.equal(m.a(x) + m.b(x), y)
+    if m.onednn is not None:  # None only where this PyTorch has no oneDNN
+        assert m.onednn.is_mkldnn and m.onednn.to_dense().shape == (48, 64)
     assert gather_weights(m).tensors == 0  # views into the buffer stay put
 
 
