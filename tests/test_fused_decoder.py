@@ -203,6 +203,60 @@ def test_int8_cache_prompt_steps_run_through_the_stack(tiny_model_dir, count_fus
     assert got[True] == got[False]
 
 
+def test_bf16_prompt_steps_take_the_prompt_kernel_in_both_paths(
+    tiny_model_dir, count_fused_calls, monkeypatch
+):
+    """Where paged_attention's long-query path would take bf16 prompts (AVX512-BF16, no AMX),
+    steps of prompt chunks only go to the prompt kernel over the cache as it is, in the stack
+    and in the modules alike: the same tokens and log-probs, and the module path calls the
+    prompt kernel for those steps only (a step that mixes them with decode rows stays on
+    paged_attention, in both)."""
+    from fastforward.layers.attention import Attention
+
+    directory, _ = tiny_model_dir("llama")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    runs = [[list(range(7, 47))], [list(range(3, 23)), list(range(30, 54))]]  # <= 48 rows
+    prompt_calls = []
+    original = Attention._prompts_kernel
+
+    def counting(self, q, meta):
+        prompt_calls.append(q.shape[0])
+        return original(self, q, meta)
+
+    monkeypatch.setattr(Attention, "_prompts_kernel", counting)
+    got = {}
+    for fused in (True, False):
+        llm = LLM(
+            str(directory),
+            fused_layers=fused,
+            kernels="native",
+            dtype="bfloat16",
+            enable_prefix_caching=False,
+            download_progress=False,
+        )
+        attn = llm.engine.model.attention_layers()[0]
+        if not (attn.takes_long_queries(torch.bfloat16) and attn.prompts_in_place(torch.bfloat16)):
+            pytest.skip("the long-query path does not take bf16 prompts on this CPU")
+        outs = []
+        for prompts in runs:
+            count_fused_calls.clear()
+            prompt_calls.clear()
+            for o in llm.generate(prompts, params, use_tqdm=False):
+                c = o.outputs[0]
+                outs.append(
+                    (
+                        c.token_ids,
+                        [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs],
+                    )
+                )
+            long_rows = sum(len(p) for p in prompts)
+            assert (long_rows in count_fused_calls) == fused
+            layers = len(llm.engine.model.attention_layers())
+            assert prompt_calls == ([] if fused else [long_rows] * layers)
+        got[fused] = outs
+    assert got[True] == got[False]
+
+
 def test_layer_skip_drafts_run_through_the_stack(tiny_model_dir, count_fused_calls):
     directory, _ = tiny_model_dir("llama")
     spec = {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": [0, 2]}

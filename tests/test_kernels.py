@@ -988,6 +988,32 @@ def test_int8_cache_prompts_leave_the_long_query_path_to_a_prompt_kernel():
     assert layer.takes_long_queries(torch.bfloat16)
 
 
+def test_bf16_prompts_in_place_only_for_plain_causal_attention_over_a_float_cache():
+    """A float cache's prompt chunks go to a prompt kernel over the cache as it is only where
+    one exists for the queries' dtype, the cache has that dtype, and attention is plain causal
+    (no window, softcap or key scale); never for an int8 cache (dequantized instead)."""
+    from fastforward.layers.attention import Attention
+
+    layer = Attention(9, 3, 64, 0.125)
+    layer.kv_cache = torch.zeros(2, 1, 16, 3, 64, dtype=torch.bfloat16)
+    layer.use_kernel = True
+    assert not layer.prompts_in_place(torch.bfloat16)  # no prompt kernel
+    layer.kernel_prompts_f32 = True
+    assert layer.prompts_in_place(torch.bfloat16)
+    assert not layer.prompts_in_place(torch.float32)  # the cache is bf16
+    layer.sliding_window = 20
+    assert not layer.prompts_in_place(torch.bfloat16)
+    layer.sliding_window, layer.softcap = None, 30.0
+    assert not layer.prompts_in_place(torch.bfloat16)
+    layer.softcap = None
+    layer.set_key_channel_scale(torch.ones(3, 64))
+    assert not layer.prompts_in_place(torch.bfloat16)
+    layer.set_key_channel_scale(None)
+    layer.kv_cache, layer.kv_scales = quantize(torch.zeros(2, 1, 16, 3, 64))
+    assert not layer.prompts_in_place(torch.bfloat16)
+    assert layer.prompts_dequantized(torch.bfloat16)
+
+
 def test_blocks_read_renumbers_the_tables():
     """Each sequence's used blocks in table order (a shared block twice), the tables
     renumbered to that list; padding stays 0."""

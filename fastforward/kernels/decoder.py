@@ -166,10 +166,14 @@ def build_fused_decoder(model: nn.Module) -> tuple[FusedDecoder | None, str]:
     # module path (Attention.prompts_dequantized)
     int8_prompts = False
     for i, a in enumerate(attentions):
+        kind = 2 if a.prompts_on_amx(dtype) else 1
         if a.prompts_dequantized(dtype):
-            kind = 2 if a.prompts_on_amx(dtype) else 1
             stack.set_prompt_kernel(i, kind, KERNEL_MAX_QUERY_LEN)
             int8_prompts = True
+        elif a.takes_long_queries(dtype) and a.prompts_in_place(dtype):
+            # steps of prompt chunks only on a prompt kernel over the cache itself; steps that
+            # mix them with short runs stay on paged_attention, as in the module path
+            stack.set_prompt_kernel(i, kind, KERNEL_MAX_QUERY_LEN)
     long_queries = dtype == torch.bfloat16 and all(
         a.takes_long_queries(dtype) or a.prompts_dequantized(dtype) for a in attentions
     )

@@ -179,9 +179,10 @@ struct Layer {
   at::Tensor query_mult, key_mult;
   int64_t group = 0;  // KV cache group: which block tables and slot mapping
   bool gelu = false;
-  // int8 cache: steps whose query runs are all longer than max_short tokens (prompt chunks
-  // only) go to a prompt kernel over the blocks they read, dequantized (1:
-  // paged_prefill_attention, 2: paged_prefill_attention_amx; 0: paged_attention takes them)
+  // steps whose query runs are all longer than max_short tokens (prompt chunks only) go to a
+  // prompt kernel (1: paged_prefill_attention, 2: paged_prefill_attention_amx; 0:
+  // paged_attention takes them), over the cache itself, or an int8 cache's blocks they read
+  // dequantized
   int64_t prompts = 0, max_short = 0;
 };
 
@@ -316,15 +317,18 @@ class DecoderStack : public torch::CustomClassHolder {
     layers_.push_back(std::move(L));
   }
 
-  // Layer `layer` (an int8 cache) takes steps of prompt chunks only (every query run longer
-  // than max_short tokens) on a prompt kernel over the blocks they read, dequantized (kind 1:
-  // paged_prefill_attention, 2: paged_prefill_attention_amx), as the module path does.
+  // Layer `layer` takes steps of prompt chunks only (every query run longer than max_short
+  // tokens) on a prompt kernel (kind 1: paged_prefill_attention, 2:
+  // paged_prefill_attention_amx), as the module path does: over a float cache as it is (its
+  // dtype the activations'), over an int8 cache's blocks they read, dequantized.
   void set_prompt_kernel(int64_t layer, int64_t kind, int64_t max_short) {
     TORCH_CHECK(layer >= 0 && layer < num_layers(), "no layer ", layer);
     TORCH_CHECK(kind >= 0 && kind <= 2, "prompt kernel kind 0, 1 or 2");
     Layer& L = layers_[layer];
-    TORCH_CHECK(kind == 0 || (L.kv_scales && L.window == 0 && L.softcap == 0),
-                "a prompt kernel over dequantized blocks needs an int8 cache, no window or softcap");
+    TORCH_CHECK(kind == 0 || (L.window == 0 && L.softcap == 0 &&
+                              (L.kv_scales || !L.key_mult.defined())),
+                "a prompt kernel needs plain causal attention (no window or softcap), over an "
+                "int8 cache or a float one without key scales");
     L.prompts = kind;
     L.max_short = max_short;
   }
@@ -374,15 +378,16 @@ class DecoderStack : public torch::CustomClassHolder {
         s = &scratch_;
         s->fit(t, {L.heads, L.kv_heads, L.head_dim, x.size(1), L.gate_up.out_features() / 2}, x);
       }
-      const BlocksRead* prompts = nullptr;
-      if (L.prompts && shortest > L.max_short) {
+      const bool prompts = L.prompts && shortest > L.max_short;
+      const BlocksRead* dequantized = nullptr;
+      if (prompts && L.kv_scales) {
         auto& r = read[L.group];
         if (!r) r = blocks_read(block_tables[L.group], seq_lens, L.kv_cache.size(2),
                                 L.kv_cache.size(1));
-        prompts = &*r;
+        dequantized = &*r;
       }
       auto a = attention(L, h, positions, block_tables[L.group], slot_mappings[L.group],
-                         query_start_loc, seq_lens, s, prompts);
+                         query_start_loc, seq_lens, s, prompts, dequantized);
       a = a.contiguous();
       at::Tensor h2;
       if (s) add_rms_norm_out(x, a, L.ln2, L.eps2, false, h2 = s->h2);
@@ -401,11 +406,12 @@ class DecoderStack : public torch::CustomClassHolder {
 
  private:
   // The attention block's output (o's); s: the step's buffers (none: allocate); prompts: the
-  // blocks the step reads, where the layer's prompt kernel takes it (Layer::prompts).
+  // layer's prompt kernel takes the step (Layer::prompts); dequantized: the blocks it reads
+  // (an int8 cache).
   static at::Tensor attention(const Layer& L, const at::Tensor& h, const at::Tensor& positions,
                               const at::Tensor& block_table, const at::Tensor& slot_mapping,
                               const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                              StepScratch* s, const BlocksRead* prompts) {
+                              StepScratch* s, bool prompts, const BlocksRead* dequantized) {
     const int64_t t = h.size(0), qd = L.heads * L.head_dim, kd = L.kv_heads * L.head_dim;
     at::Tensor q, k, v;
     if (s && L.qkv.into(h, s->qkv)) {
@@ -432,9 +438,11 @@ class DecoderStack : public torch::CustomClassHolder {
     at::Tensor out;
     if (prompts) {  // the queries in the model's dtype, as the module path's _mixed
       const auto blocks =
-          dequantize_blocks(L.kv_cache, *L.kv_scales, prompts->blocks, h.scalar_type());
+          dequantized ? dequantize_blocks(L.kv_cache, *L.kv_scales, dequantized->blocks,
+                                          h.scalar_type())
+                      : L.kv_cache;
       const auto qm = q.to(h.scalar_type()).contiguous();
-      const auto& table = prompts->table;
+      const auto& table = dequantized ? dequantized->table : block_table;
       out = L.prompts == 2
                 ? paged_prefill_attention_amx(qm, blocks, table, query_start_loc, seq_lens, L.scale)
                 : paged_prefill_attention(qm, blocks, table, query_start_loc, seq_lens, L.scale);
