@@ -23,14 +23,17 @@ PROMPTS = [list(range(5, 10)), list(range(7, 47)), list(range(30, 43)), list(ran
 def _run(directory, fused: bool, **kw):
     llm = LLM(str(directory), fused_layers=fused, download_progress=False, **kw)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return llm, _tokens_and_logprobs(llm.generate(PROMPTS, params, use_tqdm=False))
+
+
+def _tokens_and_logprobs(outs) -> list:
     got = []
     for o in outs:
         c = o.outputs[0]
         got.append(
             (c.token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs])
         )
-    return llm, got
+    return got
 
 
 @pytest.fixture
@@ -186,14 +189,7 @@ def test_int8_cache_prompt_steps_run_through_the_stack(tiny_model_dir, count_fus
         outs = []
         for prompts in runs:
             count_fused_calls.clear()
-            for o in llm.generate(prompts, params, use_tqdm=False):
-                c = o.outputs[0]
-                outs.append(
-                    (
-                        c.token_ids,
-                        [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs],
-                    )
-                )
+            outs += _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
             long_rows = sum(len(p) for p in prompts)
             assert (long_rows in count_fused_calls) == fused  # the prompts' step: the stack
         count_fused_calls.clear()
@@ -241,14 +237,7 @@ def test_bf16_prompt_steps_take_the_prompt_kernel_in_both_paths(
         for prompts in runs:
             count_fused_calls.clear()
             prompt_calls.clear()
-            for o in llm.generate(prompts, params, use_tqdm=False):
-                c = o.outputs[0]
-                outs.append(
-                    (
-                        c.token_ids,
-                        [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs],
-                    )
-                )
+            outs += _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
             long_rows = sum(len(p) for p in prompts)
             assert (long_rows in count_fused_calls) == fused
             layers = len(llm.engine.model.attention_layers())
