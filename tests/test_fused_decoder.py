@@ -199,19 +199,18 @@ def test_int8_cache_prompt_steps_run_through_the_stack(tiny_model_dir, count_fus
     assert got[True] == got[False]
 
 
-def test_bf16_prompt_steps_take_the_prompt_kernel_in_both_paths(
-    tiny_model_dir, count_fused_calls, monkeypatch
-):
+def test_bf16_prompt_chunks_take_the_prompt_kernel(tiny_model_dir, count_fused_calls, monkeypatch):
     """Where paged_attention's long-query path would take bf16 prompts (AVX512-BF16, no AMX),
-    steps of prompt chunks only go to the prompt kernel over the cache as it is, in the stack
-    and in the modules alike: the same tokens and log-probs, and the module path calls the
-    prompt kernel for those steps only (a step that mixes them with decode rows stays on
-    paged_attention, in both)."""
+    prompt chunks go to the prompt kernel over the cache as it is: steps of prompt chunks only
+    in the stack, as in the modules (the same tokens and log-probs); a step that mixes them
+    with decode rows takes the module path, whose prompt chunks go to the prompt kernel and its
+    decode rows to paged_attention."""
     from fastforward.layers.attention import Attention
 
     directory, _ = tiny_model_dir("llama")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
     runs = [[list(range(7, 47))], [list(range(3, 23)), list(range(30, 54))]]  # <= 48 rows
+    mixed = [list(range(5, 10)), list(range(7, 47))]  # one step: 5 + 40 rows
     prompt_calls = []
     original = Attention._prompts_kernel
 
@@ -233,6 +232,7 @@ def test_bf16_prompt_steps_take_the_prompt_kernel_in_both_paths(
         attn = llm.engine.model.attention_layers()[0]
         if not (attn.takes_long_queries(torch.bfloat16) and attn.prompts_in_place(torch.bfloat16)):
             pytest.skip("the long-query path does not take bf16 prompts on this CPU")
+        layers = len(llm.engine.model.attention_layers())
         outs = []
         for prompts in runs:
             count_fused_calls.clear()
@@ -240,8 +240,12 @@ def test_bf16_prompt_steps_take_the_prompt_kernel_in_both_paths(
             outs += _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
             long_rows = sum(len(p) for p in prompts)
             assert (long_rows in count_fused_calls) == fused
-            layers = len(llm.engine.model.attention_layers())
             assert prompt_calls == ([] if fused else [long_rows] * layers)
+        count_fused_calls.clear()
+        prompt_calls.clear()
+        outs += _tokens_and_logprobs(llm.generate(mixed, params, use_tqdm=False))
+        assert 45 not in count_fused_calls  # the mixed step: the modules
+        assert prompt_calls == [40] * layers  # its prompt chunk on the prompt kernel
         got[fused] = outs
     assert got[True] == got[False]
 

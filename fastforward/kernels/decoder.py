@@ -46,10 +46,11 @@ class FusedDecoder:
     rows_max: int  # largest batch every linear's packed kernel takes
     max_positions: int  # context the RoPE tables cover
     long_queries: bool  # every layer's attention takes prefills too (bf16 / int8 paths)
-    # some layer's int8 cache takes steps of prompt chunks only on a prompt kernel
-    # (DecoderStack.set_prompt_kernel); the module path splits steps that mix them with short
-    # runs, as the stack does not
-    int8_prompts: bool = False
+    # some layer takes steps of prompt chunks only on a prompt kernel (DecoderStack.
+    # set_prompt_kernel: an int8 cache's blocks dequantized, or a bf16 cache as it is where
+    # paged_attention's long-query path would take them); the module path splits steps that
+    # mix them with short runs, as the stack does not
+    prompt_kernels: bool = False
 
     def usable(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         long = meta.max_query_len > KERNEL_MAX_QUERY_LEN
@@ -59,7 +60,7 @@ class FusedDecoder:
             or meta.max_seq_len > self.max_positions
         ):
             return False
-        if long and self.int8_prompts and int(meta.query_lens.min()) <= KERNEL_MAX_QUERY_LEN:
+        if long and self.prompt_kernels and int(meta.query_lens.min()) <= KERNEL_MAX_QUERY_LEN:
             return False
         for a, (cache, scales, group, key_mult) in zip(self.attentions, self.bound, strict=True):
             # rebound (one-off scoring passes swap in a cache of their own) or set after the
@@ -164,21 +165,20 @@ def build_fused_decoder(model: nn.Module) -> tuple[FusedDecoder | None, str]:
     dtype = layers[0].input_layernorm.weight.dtype
     # an int8 cache's prompt chunks on a prompt kernel over their blocks dequantized, as the
     # module path (Attention.prompts_dequantized)
-    int8_prompts = False
+    prompt_kernels = False
     for i, a in enumerate(attentions):
-        kind = 2 if a.prompts_on_amx(dtype) else 1
-        if a.prompts_dequantized(dtype):
-            stack.set_prompt_kernel(i, kind, KERNEL_MAX_QUERY_LEN)
-            int8_prompts = True
-        elif a.takes_long_queries(dtype) and a.prompts_in_place(dtype):
-            # steps of prompt chunks only on a prompt kernel over the cache itself; steps that
-            # mix them with short runs stay on paged_attention, as in the module path
-            stack.set_prompt_kernel(i, kind, KERNEL_MAX_QUERY_LEN)
+        # or a bf16 cache's prompt chunks over the cache itself, where paged_attention's
+        # long-query path would take them (Attention.prompts_in_place)
+        if a.prompts_dequantized(dtype) or (
+            a.takes_long_queries(dtype) and a.prompts_in_place(dtype)
+        ):
+            stack.set_prompt_kernel(i, 2 if a.prompts_on_amx(dtype) else 1, KERNEL_MAX_QUERY_LEN)
+            prompt_kernels = True
     long_queries = dtype == torch.bfloat16 and all(
         a.takes_long_queries(dtype) or a.prompts_dequantized(dtype) for a in attentions
     )
     fused = FusedDecoder(
-        stack, attentions, bound, rows_max, stack.max_positions(), long_queries, int8_prompts
+        stack, attentions, bound, rows_max, stack.max_positions(), long_queries, prompt_kernels
     )
     return fused, ""
 

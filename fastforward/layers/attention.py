@@ -131,14 +131,14 @@ class Attention(nn.Module):
             # a layer on AVX-512 FMAs against 4.2 on paged_attention's vpdpwssd path, 7.2 on its
             # generic one; AMX tiles where the CPU has them)
             out = self._mixed(q, k, meta, prompts_dtype=dtype)
+        elif self.takes_long_queries(q.dtype) and not self.prompts_in_place(dtype):
+            out = self._kernel(q, meta)
         elif self.takes_long_queries(q.dtype):
-            if self.prompts_in_place(dtype) and self._prompt_chunks_only(meta):
-                # a step of prompt chunks only: the prompt kernel over the cache as it is (a
-                # fresh 512-token prompt of SmolLM2's heads on the AMD EPYC, AVX512-BF16: 1.75
-                # ms a layer on AVX-512 FMAs against 3.55 on paged_attention's vdpbf16ps path)
-                out = self._prompts_kernel(q, meta)
-            else:
-                out = self._kernel(q, meta)
+            # the prompt chunks on the prompt kernel over the cache as it is, decode rows of the
+            # same step on the kernel (a fresh 512-token prompt of SmolLM2's heads on the AMD
+            # EPYC, AVX512-BF16: 1.75 ms a layer on AVX-512 FMAs against 3.55 on
+            # paged_attention's vdpbf16ps path)
+            out = self._mixed(q, k, meta)
         elif self._one_prompt(k, meta):
             out = self._prompt(q, k, v, meta)
         else:
@@ -189,14 +189,6 @@ class Attention(nn.Module):
             and self.softcap is None
             and self.kv_cache is not None
             and self.kv_cache.dtype == dtype
-        )
-
-    @staticmethod
-    def _prompt_chunks_only(meta: AttentionMetadata) -> bool:
-        """Every query run of the step is longer than ``KERNEL_MAX_QUERY_LEN`` tokens."""
-        return meta.cached(
-            "prompt chunks only",
-            lambda: int(meta.query_lens.min()) > KERNEL_MAX_QUERY_LEN,
         )
 
     def prompts_dequantized(self, dtype: torch.dtype) -> bool:
