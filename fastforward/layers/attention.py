@@ -177,10 +177,11 @@ class Attention(nn.Module):
         )
 
     def prompts_in_place(self, dtype: torch.dtype) -> bool:
-        """Whether a step of prompt chunks only, with queries of ``dtype``, goes to a prompt
-        kernel over this layer's float cache as it is (plain causal attention over a cache of
-        that dtype, no key scale), where the kernel's long-query path would otherwise take it
-        (``takes_long_queries``)."""
+        """Whether prompt chunks (query runs over ``KERNEL_MAX_QUERY_LEN`` tokens) with queries
+        of ``dtype`` go to a prompt kernel over this layer's float cache as it is (plain causal
+        attention over a cache of that dtype, no key scale), where the kernel's long-query path
+        would otherwise take them (``takes_long_queries``); decode rows of the same step stay
+        on the kernel (``_mixed``)."""
         return (
             self.kv_scales is None
             and self.key_mult is None
