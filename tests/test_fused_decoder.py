@@ -164,47 +164,17 @@ def test_quantized_kv_cache_runs_through_the_stack(tiny_model_dir, arch, count_f
     assert fused == plain
 
 
-def test_int8_cache_prompt_steps_run_through_the_stack(tiny_model_dir, count_fused_calls):
-    """Steps of prompt chunks only over an int8 cache (one prompt of 40 tokens; prompts of 20
-    and 24) run through the stack, whose layers hand them to a prompt kernel over the blocks
-    dequantized, as the modules do: the same tokens and log-probs; a step that mixes them with
-    short runs takes the module path."""
-    directory, _ = tiny_model_dir("llama")
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
-    runs = [[list(range(7, 47))], [list(range(3, 23)), list(range(30, 54))]]  # <= 48 rows
-    mixed = [list(range(5, 10)), list(range(7, 47))]
-    got = {}
-    for fused in (True, False):
-        llm = LLM(
-            str(directory),
-            fused_layers=fused,
-            kernels="native",
-            kv_cache_dtype="int8",
-            dtype="bfloat16",
-            download_progress=False,
-        )
-        attn = llm.engine.model.attention_layers()[0]
-        if not attn.prompts_dequantized(torch.bfloat16):
-            pytest.skip("no prompt kernel for an int8 cache on this CPU")
-        outs = []
-        for prompts in runs:
-            count_fused_calls.clear()
-            outs += _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
-            long_rows = sum(len(p) for p in prompts)
-            assert (long_rows in count_fused_calls) == fused  # the prompts' step: the stack
-        count_fused_calls.clear()
-        llm.generate(mixed, params, use_tqdm=False)
-        assert 45 not in count_fused_calls  # the mixed step: the modules
-        got[fused] = outs
-    assert got[True] == got[False]
-
-
-def test_bf16_prompt_chunks_take_the_prompt_kernel(tiny_model_dir, count_fused_calls, monkeypatch):
-    """Where paged_attention's long-query path would take bf16 prompts (AVX512-BF16, no AMX),
-    prompt chunks go to the prompt kernel over the cache as it is: steps of prompt chunks only
-    in the stack, as in the modules (the same tokens and log-probs); a step that mixes them
-    with decode rows takes the module path, whose prompt chunks go to the prompt kernel and its
-    decode rows to paged_attention."""
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "auto"])
+def test_prompt_chunks_take_a_prompt_kernel_in_both_paths(
+    tiny_model_dir, kv_cache_dtype, count_fused_calls, monkeypatch
+):
+    """Where a layer's prompt chunks go to a prompt kernel ahead of paged_attention
+    (Attention.prompts_split: an int8 cache's blocks dequantized; a bf16 cache as it is where
+    the long-query path would take them, AVX512-BF16 without AMX), steps of prompt chunks only
+    (one prompt of 40 tokens; prompts of 20 and 24) run through the stack, whose layers hand
+    them to that kernel, as the modules do: the same tokens and log-probs. A step that mixes
+    them with decode rows takes the module path, whose prompt chunk goes to the prompt kernel
+    and its decode rows to paged_attention."""
     from fastforward.layers.attention import Attention
 
     directory, _ = tiny_model_dir("llama")
@@ -225,13 +195,14 @@ def test_bf16_prompt_chunks_take_the_prompt_kernel(tiny_model_dir, count_fused_c
             str(directory),
             fused_layers=fused,
             kernels="native",
+            kv_cache_dtype=kv_cache_dtype,
             dtype="bfloat16",
             enable_prefix_caching=False,
             download_progress=False,
         )
         attn = llm.engine.model.attention_layers()[0]
-        if not (attn.takes_long_queries(torch.bfloat16) and attn.prompts_in_place(torch.bfloat16)):
-            pytest.skip("the long-query path does not take bf16 prompts on this CPU")
+        if not attn.prompts_split(torch.bfloat16):
+            pytest.skip(f"no prompt kernel ahead of paged_attention for a {kv_cache_dtype} cache")
         layers = len(llm.engine.model.attention_layers())
         outs = []
         for prompts in runs:
@@ -239,7 +210,7 @@ def test_bf16_prompt_chunks_take_the_prompt_kernel(tiny_model_dir, count_fused_c
             prompt_calls.clear()
             outs += _tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
             long_rows = sum(len(p) for p in prompts)
-            assert (long_rows in count_fused_calls) == fused
+            assert (long_rows in count_fused_calls) == fused  # the prompts' step: the stack
             assert prompt_calls == ([] if fused else [long_rows] * layers)
         count_fused_calls.clear()
         prompt_calls.clear()

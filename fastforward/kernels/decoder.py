@@ -163,15 +163,11 @@ def build_fused_decoder(model: nn.Module) -> tuple[FusedDecoder | None, str]:
     bound = [(a.kv_cache, a.kv_scales, a.group, a.key_mult) for a in attentions]
     # the activations are in the model's dtype, the norms' weights'
     dtype = layers[0].input_layernorm.weight.dtype
-    # an int8 cache's prompt chunks on a prompt kernel over their blocks dequantized, as the
-    # module path (Attention.prompts_dequantized)
+    # prompt chunks on a prompt kernel where the module path takes them there
+    # (Attention.prompts_split: an int8 cache's blocks dequantized, or a bf16 cache as it is)
     prompt_kernels = False
     for i, a in enumerate(attentions):
-        # or a bf16 cache's prompt chunks over the cache itself, where paged_attention's
-        # long-query path would take them (Attention.prompts_in_place)
-        if a.prompts_dequantized(dtype) or (
-            a.takes_long_queries(dtype) and a.prompts_in_place(dtype)
-        ):
+        if a.prompts_split(dtype):
             stack.set_prompt_kernel(i, 2 if a.prompts_on_amx(dtype) else 1, KERNEL_MAX_QUERY_LEN)
             prompt_kernels = True
     long_queries = dtype == torch.bfloat16 and all(

@@ -125,20 +125,16 @@ class Attention(nn.Module):
             out = self._reference(q, meta)
         elif meta.max_query_len <= KERNEL_MAX_QUERY_LEN:
             out = self._kernel(q, meta)
-        elif self.prompts_dequantized(dtype):
-            # prompt chunks over an int8 cache: the blocks they read dequantized for a prompt
-            # kernel in the model's dtype (a fresh 512-token prompt of SmolLM2's heads: 1.95 ms
-            # a layer on AVX-512 FMAs against 4.2 on paged_attention's vpdpwssd path, 7.2 on its
-            # generic one; AMX tiles where the CPU has them)
+        elif self.prompts_split(dtype):
+            # prompt chunks on a prompt kernel in the model's dtype, decode rows of the same step
+            # on the kernel. Over an int8 cache the blocks they read dequantized (a fresh
+            # 512-token prompt of SmolLM2's heads: 1.95 ms a layer on AVX-512 FMAs against 4.2
+            # on paged_attention's vpdpwssd path, 7.2 on its generic one; AMX tiles where the
+            # CPU has them); over a bf16 cache the cache as it is (the AMD EPYC, AVX512-BF16:
+            # 1.75 ms a layer against 3.55 on paged_attention's vdpbf16ps path)
             out = self._mixed(q, k, meta, prompts_dtype=dtype)
-        elif self.takes_long_queries(q.dtype) and not self.prompts_in_place(dtype):
-            out = self._kernel(q, meta)
         elif self.takes_long_queries(q.dtype):
-            # the prompt chunks on the prompt kernel over the cache as it is, decode rows of the
-            # same step on the kernel (a fresh 512-token prompt of SmolLM2's heads on the AMD
-            # EPYC, AVX512-BF16: 1.75 ms a layer on AVX-512 FMAs against 3.55 on
-            # paged_attention's vdpbf16ps path)
-            out = self._mixed(q, k, meta)
+            out = self._kernel(q, meta)
         elif self._one_prompt(k, meta):
             out = self._prompt(q, k, v, meta)
         else:
@@ -174,6 +170,17 @@ class Attention(nn.Module):
     def _prompt_kernel_for(self, dtype: torch.dtype) -> bool:
         return self.prompts_on_amx(dtype) or (
             self.kernel_prompts_f32 and dtype in (torch.bfloat16, torch.float32)
+        )
+
+    def prompts_split(self, dtype: torch.dtype) -> bool:
+        """Whether a step's prompt chunks, with queries of ``dtype``, go to a prompt kernel
+        and its short runs to the kernel (``_mixed``), ahead of the routes after it: an int8
+        cache's over their blocks dequantized (``prompts_dequantized``), or a float cache's as
+        it is where the kernel's long-query path would take them (``prompts_in_place``). The
+        fused stack hands its steps of prompt chunks only to the same kernel
+        (``build_fused_decoder``)."""
+        return self.prompts_dequantized(dtype) or (
+            self.takes_long_queries(dtype) and self.prompts_in_place(dtype)
         )
 
     def prompts_in_place(self, dtype: torch.dtype) -> bool:
