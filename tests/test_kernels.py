@@ -1308,6 +1308,41 @@ def test_paged_attention_int8_cache_matches_reference(case, q_dtype):
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_paged_attention_follows_a_rising_max(kv):
+    """Scores that climb in steps along the keys, some by less than the kernel's lazy max lets
+    pass (8) and some by more, so the running max stays put, then moves and rescales: the same
+    softmax as the reference."""
+    query_lens, context_lens, bs, d = [1, 1, 3], [700, 260, 330], 16, 64
+    dense, meta = _random_batch(query_lens, context_lens, 3, d, bs, torch.float32, seed=5)
+    table = meta.groups[0].block_tables
+    steps = [(0, 0.0), (100, 5.0), (203, 17.0), (300, 2.0), (301, 9.5), (407, 30.0), (650, 4.0)]
+    for i, n in enumerate(meta.seq_lens.tolist()):
+        for p in range(n):
+            score = [v for start, v in steps if start <= p][-1]
+            dense[0, table[i, p // bs], p % bs, :, 0] = score  # q = 8 e0, scale 1/8: score = k0
+    q = torch.zeros(sum(query_lens), 9, d)
+    q[..., 0] = 8.0
+    if kv == "int8":
+        cache, scales = quantize(dense)
+        extra = (scales,)
+    else:
+        cache, scales, extra, q = dense.bfloat16(), None, (), q.bfloat16()
+    group = meta.groups[0]
+    ref = paged_attention(
+        q.float(),
+        cache.float() if scales is None else cache,
+        meta,
+        group,
+        scale=d**-0.5,
+        kv_scales=scales,
+    )
+    out = kernels.ops().paged_attention(
+        q, cache, group.block_tables, meta.query_start_loc, meta.seq_lens, d**-0.5, 0, 0.0, *extra
+    )
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
 def test_paged_attention_int8_cache_needs_scales():
     dense, meta = _random_batch([1], [5], 2, 16, 16, torch.float32, seed=0)
     cache, scales = quantize(dense)

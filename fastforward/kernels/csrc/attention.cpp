@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -187,13 +188,42 @@ inline int64_t sub_block_end(int64_t s0, int64_t block_size, int64_t k_hi) {
 // of its memory and arithmetic times. Spread out they overlap (AMX Xeon, 2 threads, SmolLM2's
 // heads, 30 layers of KV: one sequence of 4,000 keys 375 -> 196 us a layer, 64 of 164 keys
 // 1,088 -> ~700; a throwaway timing script).
+// The queue holds spans of bytes, one per K and V row of the sub-block, merged into one for K
+// and one for V where the rows are adjacent (an item of all the KV heads reads whole cache
+// rows), and the lines go to L2 (prefetcht1), not L1. With an address stored per line and
+// prefetcht0, on a Zen 4 EPYC (2 threads, SmolLM2's heads, 30 layers of KV from DRAM, medians
+// of alternating processes): one sequence of 4,000 keys 177-212 -> 116-150 us a layer, 64 of
+// 174 keys 546-563 -> 392-399. (Spans alone, still prefetcht0, were no faster; prefetching
+// one line in two, leaving the other to the hardware, was slower from DRAM.)
 struct PrefetchQueue {
-  static constexpr int CAP = 2 * VL * (D_MAX * 4 / 64);  // K and V lines of VL fp32 rows
-  const char* line[CAP];
+  static constexpr int CAP = 2 * VL;
+  const char* pos[CAP];
+  const char* end[CAP];
+  const char* cur = nullptr;  // the span being issued: [cur, stop)
+  const char* stop = nullptr;
   int n = 0, next = 0;
 
   void issue(int k) {
-    while (k-- > 0 && next < n) __builtin_prefetch(line[next++]);
+    while (k-- > 0) {
+      if (cur >= stop) {
+        if (next >= n) return;
+        cur = pos[next];
+        stop = end[next++];
+      }
+      __builtin_prefetch(cur, 0, 2);
+      cur += 64;
+    }
+  }
+
+  void push(const char* a, int64_t bytes) {
+    const char* b = a + bytes;
+    a = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(a) & ~uintptr_t(63));
+    if (n > 0 && a <= end[n - 1] && a >= pos[n - 1]) {
+      end[n - 1] = std::max(end[n - 1], b);
+    } else {
+      pos[n] = a;
+      end[n++] = b;
+    }
   }
 
   // Queue the sub-block from key s1 of KV head kvh of the sequence with block table row tab
@@ -203,17 +233,15 @@ struct PrefetchQueue {
   template <typename CT>
   void queue(const CT* cache, const int64_t* tab, const Geometry& g, int64_t kvh, int64_t s1,
              int64_t k_hi, int64_t kv_stride, int64_t half, int64_t heads = 1) {
-    issue(CAP);
+    issue(1 << 30);
     n = next = 0;
     if (s1 >= k_hi) return;
     const int64_t b0 = s1 - s1 % g.BS, keys = sub_block_end(s1, g.BS, k_hi) - s1;
     const CT* nk = cache + (tab[b0 / g.BS] * g.BS + (s1 - b0)) * kv_stride + kvh * g.D;
     const int64_t bytes = heads * g.D * int64_t(sizeof(CT));  // adjacent heads: one span
     for (int64_t h = 0; h < 2; ++h)
-      for (int64_t j = 0; j < keys; ++j) {
-        const char* row = reinterpret_cast<const char*>(nk + h * half + j * kv_stride);
-        for (int64_t o = 0; o < bytes; o += 64) line[n++] = row + o;
-      }
+      for (int64_t j = 0; j < keys; ++j)
+        push(reinterpret_cast<const char*>(nk + h * half + j * kv_stride), bytes);
   }
 };
 
@@ -480,6 +508,32 @@ inline void value_rows(float (*acc)[D_MAX], const uint32_t (*pp)[VL / 2], const 
     }
 }
 
+// RowState::update for attend_item_dp, with a lazy max: the row's m moves only when a score
+// passes it by more than LAZY_SLACK, so weights reach e^8 at most (the final division by l
+// makes the result the same softmax), and most sub-blocks skip the horizontal max, the exp of
+// the rescale factor and the rescale itself; l is summed as a vector (lv), reduced at the end.
+constexpr float LAZY_SLACK = 8.f;
+
+template <typename Round>
+inline vf lazy_update(RowState& st, int64_t r, vf sc, int64_t s0, int64_t rlo, int64_t rhi,
+                      float* acc, int64_t n, Round round, float* lv) {
+  if (rlo > s0 || rhi < s0 + VL) {
+    const vi kj = iota() + int(s0);
+    sc = ((kj >= int(rlo)) & (kj < int(rhi))) ? sc : splat(NEG_INF);
+  }
+  const __m512 lim = _mm512_set1_ps(st.m[r] + LAZY_SLACK);
+  if (_mm512_cmp_ps_mask(reinterpret_cast<const __m512&>(sc), lim, _CMP_GT_OQ)) {
+    const float m_new = hmax(sc);  // > m + LAZY_SLACK
+    const float alpha = std::exp(st.m[r] - m_new);  // 0 on the first keys
+    scale_vec(acc, alpha, n);
+    store(lv, load(lv) * alpha);
+    st.m[r] = m_new;
+  }
+  const vf pv = round(vexp(sc - splat(st.m[r])));  // masked lanes: exactly 0
+  store(lv, load(lv) + pv);
+  return pv;
+}
+
 // f(std::integral_constant<int, NR>{}) for a run-time row count nr in 1..4.
 template <typename F>
 inline void with_rows(int nr, F&& f) {
@@ -527,6 +581,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const QT* q, const CT* ca
   __m512i vt[VL / 2][D_MAX / 32][2];  // key pair x chunk x (dims 0-3 / 4-7 of each 8)
   alignas(64) float acc[ROWS_MAX][D_MAX];
   alignas(64) float p[ROWS_MAX][VL];
+  alignas(64) float lv[ROWS_MAX][VL];  // each row's l as a vector (lazy_update)
   alignas(64) float kscale[VL], vscale[VL], wstep[ROWS_MAX];
   bool seen[ROWS_MAX];
   auto load_row = [&](const CT* src, int c) {
@@ -543,6 +598,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const QT* q, const CT* ca
       std::memcpy(qp[r], qr, D * sizeof(uint16_t));
     }
     std::fill(acc[r], acc[r] + 32 * C, 0.f);
+    std::fill(lv[r], lv[r] + VL, 0.f);
   }
   const int64_t kv_stride = g.KVH * D;
   const int64_t half = g.NB * g.BS * kv_stride;
@@ -612,7 +668,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const QT* q, const CT* ca
           if (g.softcap > 0.f) {
             for (int j = 0; j < VL; ++j) sc[j] = g.softcap * std::tanh(sc[j] / g.softcap);
           }
-          store(p[r], st.update(r, sc, s0, rlo, rhi, acc[r], 32 * C, round_weights));
+          store(p[r], lazy_update(st, r, sc, s0, rlo, rhi, acc[r], 32 * C, round_weights, lv[r]));
         }
       }
       const CT* vb = kb + half;
@@ -659,7 +715,7 @@ void attend_item_dp(const Item& it, const Geometry& g, const QT* q, const CT* ca
   for (int64_t r = 0; r < rows; ++r) {
     float* out = part + r * (D + 2);
     out[0] = st.m[r];
-    out[1] = st.l[r];
+    out[1] = hsum(load(lv[r]));
     // lane i of half h of chunk c holds dimension 32c + 8 (i / 4) + 4h + i % 4
     for (int c = 0; c < C; ++c)
       for (int h = 0; h < 2; ++h)
