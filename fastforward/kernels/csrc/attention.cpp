@@ -135,6 +135,14 @@ inline vi iota() {
   return v;
 }
 
+// Scores sc of keys s0 + lane with those outside [rlo, rhi) at -inf (none when all VL lanes
+// are inside).
+inline vf mask_keys(vf sc, int64_t s0, int64_t rlo, int64_t rhi) {
+  if (rlo <= s0 && rhi >= s0 + VL) return sc;
+  const vi kj = iota() + int(s0);
+  return ((kj >= int(rlo)) & (kj < int(rhi))) ? sc : splat(NEG_INF);
+}
+
 // An item's rows: the keys [lo, hi) each may see (causal, sliding window, the item's part of
 // the key range), their online-softmax state, and the keys some row needs.
 struct RowState {
@@ -164,8 +172,7 @@ struct RowState {
   template <typename Round>
   vf update(int64_t r, vf sc, int64_t s0, int64_t rlo, int64_t rhi, float* acc, int64_t n,
             Round round) {
-    const vi kj = iota() + int(s0);
-    sc = ((kj >= int(rlo)) & (kj < int(rhi))) ? sc : splat(NEG_INF);
+    sc = mask_keys(sc, s0, rlo, rhi);
     const float m_new = std::max(m[r], hmax(sc));
     const float alpha = std::exp(m[r] - m_new);  // 0 on the first keys
     const vf pv = round(vexp(sc - splat(m_new)));  // masked lanes: exactly 0
@@ -196,7 +203,7 @@ inline int64_t sub_block_end(int64_t s0, int64_t block_size, int64_t k_hi) {
 // 174 keys 546-563 -> 392-399. (Spans alone, still prefetcht0, were no faster; prefetching
 // one line in two, leaving the other to the hardware, was slower from DRAM.)
 struct PrefetchQueue {
-  static constexpr int CAP = 2 * VL;
+  static constexpr int CAP = 2 * VL;  // spans: a K and a V row per key, unmerged
   const char* pos[CAP];
   const char* end[CAP];
   const char* cur = nullptr;  // the span being issued: [cur, stop)
@@ -517,10 +524,7 @@ constexpr float LAZY_SLACK = 8.f;
 template <typename Round>
 inline vf lazy_update(RowState& st, int64_t r, vf sc, int64_t s0, int64_t rlo, int64_t rhi,
                       float* acc, int64_t n, Round round, float* lv) {
-  if (rlo > s0 || rhi < s0 + VL) {
-    const vi kj = iota() + int(s0);
-    sc = ((kj >= int(rlo)) & (kj < int(rhi))) ? sc : splat(NEG_INF);
-  }
+  sc = mask_keys(sc, s0, rlo, rhi);
   const __m512 lim = _mm512_set1_ps(st.m[r] + LAZY_SLACK);
   if (_mm512_cmp_ps_mask(reinterpret_cast<const __m512&>(sc), lim, _CMP_GT_OQ)) {
     const float m_new = hmax(sc);  // > m + LAZY_SLACK
