@@ -35,7 +35,7 @@ def test_linear_bf16_matches_dense(dtype, m, k, n, bias):
 
 @pytest.mark.parametrize("rows", [9, 64])
 def test_packed_linear_large_batches_take_onednn_with_the_dense_numbers(monkeypatch, rows):
-    """Without AMX, above ``packed_rows_max`` rows a PackedLinear multiplies through oneDNN
+    """Without the tiles, above ``packed_rows_max`` rows a PackedLinear multiplies through oneDNN
     from a weight prepacked in its blocked layout (where PyTorch has oneDNN): the same numbers
     as ``F.linear`` on the plain bf16 weight, in 3-D too, and no dense copy is kept for it."""
     import torch.nn.functional as F
@@ -43,7 +43,8 @@ def test_packed_linear_large_batches_take_onednn_with_the_dense_numbers(monkeypa
     from fastforward.kernels import linear
     from fastforward.kernels.linear import PackedLinear
 
-    monkeypatch.setattr(linear, "amx_pack", lambda w: None)  # as on a CPU without AMX
+    # as where the kernels have no vdpbf16ps on a CPU with native bf16
+    monkeypatch.setattr(linear, "tiles_pack", lambda w: None)
     torch.manual_seed(rows)
     w, b = torch.randn(96, 64), torch.randn(96)
     lin = PackedLinear(w, b, None, keep_dense=True, packed_rows_max=8)
@@ -96,6 +97,10 @@ def test_packed_linear_without_native_bf16_takes_fp32_for_large_batches():
 needs_amx = pytest.mark.skipif(
     not (kernels.available() and kernels.ops().amx_native()), reason="the CPU has no AMX"
 )
+needs_tiles = pytest.mark.skipif(
+    not (kernels.available() and kernels.ops().bf16_tiles_native()),
+    reason="the CPU has no AVX512-BF16",
+)
 
 needs_prompt_f32 = pytest.mark.skipif(
     not (kernels.available() and kernels.ops().prefill_attention_f32_native(64)),
@@ -103,25 +108,29 @@ needs_prompt_f32 = pytest.mark.skipif(
 )
 
 
-@needs_amx
+@needs_tiles
 @pytest.mark.parametrize(
     ("m", "k", "n"),
     [
         (1, 64, 16),
         (1, 33, 200),
         (1, 1536, 576),
+        (2, 33, 200),
+        (7, 64, 80),
         (9, 576, 960),
         (17, 100, 17),
         (64, 1536, 576),
         (70, 33, 200),
         (130, 96, 48),
+        (600, 64, 144),
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_amx_matches_fp32_accumulation(m, k, n, bias):
-    """AMX tiles (one row: vdpbf16ps on the same tiles): fp32 sums of the bf16 products
-    whatever the shape (rows, K and N padded to whole tiles); fp32 out as computed, bf16 out
-    rounded once; a row does not depend on the rows batched with it."""
+    """The tiles (AMX, or vdpbf16ps in registers without it; one row: vdpbf16ps streaming
+    them): fp32 sums of the bf16 products whatever the shape (rows, K and N padded to whole
+    tiles, an odd K, row and feature counts that are not whole register blocks); fp32 out as
+    computed, bf16 out rounded once; a row does not depend on the rows batched with it."""
     torch.manual_seed(m * k + n)
     w = torch.randn(n, k).to(torch.bfloat16)
     x = torch.randn(m, k).to(torch.bfloat16)
@@ -135,9 +144,11 @@ def test_linear_amx_matches_fp32_accumulation(m, k, n, bias):
     y16 = ops.linear_amx(x, packed, n, b, False)
     assert y16.dtype == torch.bfloat16 and torch.equal(y16, y32.to(torch.bfloat16))
     assert torch.equal(ops.linear_amx(x[m // 2 :], packed, n, b, True), y32[m // 2 :])
+    if not ops.amx_native():  # vdpbf16ps: the same sums for one row as in any batch
+        assert torch.equal(ops.linear_amx(x[-1:], packed, n, b, True), y32[-1:])
 
 
-@needs_amx
+@needs_tiles
 def test_linear_amx_no_rows_and_unpack():
     """No rows give an empty result (a prompt chunk with no sequence to sample); the tiles
     unpack to the bf16 weight bit for bit, padding dropped."""
@@ -153,10 +164,13 @@ def test_linear_amx_no_rows_and_unpack():
         ops.unpack_amx_weight(packed, n + 16, k)
 
 
-@needs_amx
-def test_packed_linear_large_batches_take_amx():
-    """On an AMX CPU, batches above ``packed_rows_max`` go through the AMX tiles (no dense or
-    oneDNN copy kept); the output projection gets fp32 logits straight from the tiles."""
+@needs_tiles
+def test_packed_linear_batches_take_the_tiles():
+    """On a CPU with AVX512-BF16 every batch goes through the tiles (no packed, dense or
+    oneDNN copy kept); the output projection gets fp32 logits straight from them. Above
+    ``AMX_ROWS_MAX`` an AMX CPU takes F.linear on the weight unpacked from the tiles, a CPU
+    without AMX stays on vdpbf16ps (the same sums, so a row's logits do not depend on the
+    batch)."""
     import torch.nn.functional as F
 
     from fastforward.kernels.linear import AMX_ROWS_MAX, PackedLinear
@@ -165,7 +179,7 @@ def test_packed_linear_large_batches_take_amx():
     w, b = torch.randn(96, 64), torch.randn(96)
     lin = PackedLinear(w, b, None, keep_dense=True, packed_rows_max=8)
     # the tiles are the one copy: single rows take them too, and the weight unpacks from them
-    assert lin.amx is not None and lin.onednn is None and lin.dense is None
+    assert lin.tiles is not None and lin.onednn is None and lin.dense is None
     assert lin.packed is None and torch.equal(lin.weight, w.to(torch.bfloat16))
     one = torch.randn(1, 64).to(torch.bfloat16)
     exact_one = one.double() @ w.to(torch.bfloat16).double().t() + b.double()
@@ -180,9 +194,16 @@ def test_packed_linear_large_batches_take_amx():
     assert logits.dtype == torch.float32 and head.dense is None
     exact = x[0].double() @ w.to(torch.bfloat16).double().t()
     torch.testing.assert_close(logits.double(), exact, rtol=1e-5, atol=1e-4)
-    # above AMX_ROWS_MAX: F.linear's numbers on the weight unpacked from the tiles
     big = torch.randn(AMX_ROWS_MAX + 3, 64).to(torch.bfloat16)
     wb = w.to(torch.bfloat16)
+    if not kernels.ops().amx_native():
+        torch.testing.assert_close(
+            head(big).double(), big.double() @ wb.double().t(), rtol=1e-5, atol=1e-4
+        )
+        assert torch.equal(head(big)[-1:], head(big[-1:]))
+        assert torch.equal(lin(big), kernels.ops().linear_amx(big, lin.tiles, 96, b, False))
+        return
+    # above AMX_ROWS_MAX: F.linear's numbers on the weight unpacked from the tiles
     assert torch.equal(lin(big), (F.linear(big, wb) + b).to(torch.bfloat16))
     top = head(big).topk(4, dim=-1).indices  # rescored in fp32
     torch.testing.assert_close(

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fastforward import kernels
-from fastforward.kernels.linear import PackedLinear, amx_pack, onednn_prepack
+from fastforward.kernels.linear import PackedLinear, onednn_prepack, tiles_pack
 from fastforward.layers.activation import GatedActivation
 from fastforward.layers.attention import Attention
 from fastforward.layers.norm import RMSNorm
@@ -24,10 +24,11 @@ logger = logging.getLogger(__name__)
 
 KERNEL_MODES = ("auto", "native", "torch")
 
-# Rows up to which the packed kernel beats oneDNN's bf16 matmul on a CPU with native bf16
-# (measured on an AMX Xeon, 2 threads, the 120 matrices of SmolLM2 in a row: 8 rows 17 ms vs
-# 19 ms, 16 rows 26 vs 18; a throwaway timing script, not a project benchmark). Without native
-# bf16 the packed kernel serves batches below FP32_ROWS_MIN.
+# Rows up to which the packed kernel beats oneDNN's bf16 matmul on a CPU with native bf16 where
+# the kernels have no vdpbf16ps (measured on an AMX Xeon, 2 threads, the 120 matrices of
+# SmolLM2 in a row: 8 rows 17 ms vs 19 ms, 16 rows 26 vs 18; a throwaway timing script, not a
+# project benchmark). Without native bf16 the packed kernel serves batches below
+# FP32_ROWS_MIN.
 PACKED_ROWS_MAX_NATIVE_BF16 = 8
 # Without native bf16, batches of this many rows or more multiply in float32 on the weight
 # expanded a chunk at a time (linear_bf16_gemm), the rest on the packed kernel: SmolLM2's 120
@@ -38,10 +39,16 @@ PACKED_ROWS_MAX_NATIVE_BF16 = 8
 # at 128 rows against 294 / 321 / 291 / 330 at 48 (alternating processes). (128 while the
 # float32 path converted the whole weight per call.)
 FP32_ROWS_MIN = 48
-# With AMX tiles (kernels/linear.py linear_amx) the crossover is at 1-2 rows: the same 120
-# matrices took 9.7 ms packed / 9.8 ms AMX at 1 row, 9.8 / 9.6 at 2, 15.2 / 10.2 at 8 and
-# 22.8 / 9.7 at 16 (the weights from memory; a throwaway timing script).
-PACKED_ROWS_MAX_AMX = 1
+# Where the kernels have vdpbf16ps (AVX512-BF16, with or without AMX) the tiles of
+# kernels/linear.py linear_amx serve every batch and no packed copy is kept (one row: the tiles
+# streamed by vdpbf16ps). On AMX tiles the crossover was at 1-2 rows: the same 120 matrices
+# took 9.7 ms packed / 9.8 ms AMX at 1 row, 9.8 / 9.6 at 2, 15.2 / 10.2 at 8 and 22.8 / 9.7 at
+# 16 (the weights from memory; a throwaway timing script). Without AMX (Zen 4 EPYC, 2 threads,
+# the 120 matrices and the output projection from memory, ms, packed / oneDNN / tiles): 1 row
+# 14.8 / 25.7 / 14.1, 8 rows 22.2 / 22.9 / 13.8, 64 rows 89.6 / 53.0 / 47.0, 512 rows 677 /
+# 357 / 350 (a throwaway timing script; the figures move 10-30% between runs there, the
+# ratios less).
+PACKED_ROWS_MAX_TILES = 1
 
 
 @dataclass(slots=True)
@@ -145,8 +152,8 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
     native_bf16 = cpu_has_native_bf16()
     rows_max = PACKED_ROWS_MAX_NATIVE_BF16 if native_bf16 else 1 << 62
     fp32_rows_min = None if native_bf16 else FP32_ROWS_MIN
-    if native_bf16 and kernels.ops().amx_native():
-        rows_max = PACKED_ROWS_MAX_AMX
+    if native_bf16 and kernels.ops().bf16_tiles_native():
+        rows_max = PACKED_ROWS_MAX_TILES
     # nn.Linear and its fused subclass MergedLinear; quantized modules are not nn.Linear
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, module in targets:
@@ -178,8 +185,7 @@ def apply_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> KernelReport:
         if native_bf16:
             w = embed.weight.detach().to(torch.bfloat16)
             model.lm_head.dense = embed.weight
-            model.lm_head.amx = amx_pack(w)
-            model.lm_head.drop_packed()
-            model.lm_head.onednn = onednn_prepack(w) if model.lm_head.amx is None else None
+            model.lm_head.set_tiles(tiles_pack(w))
+            model.lm_head.onednn = onednn_prepack(w) if model.lm_head.tiles is None else None
         report.linears.append("lm_head (tied)")
     return report

@@ -203,7 +203,7 @@ def _add_linear(stack: Any, lin: nn.Module) -> tuple[int, int] | None:
     """Register one linear layer; (its index, the rows its packed kernel takes), or None."""
     if isinstance(lin, PackedLinear):
         index = stack.add_linear(
-            LINEAR_BF16, lin.amx if lin.packed is None else lin.packed, lin.large_batch_weight,
+            LINEAR_BF16, lin.tiles if lin.packed is None else lin.packed, lin.large_batch_weight,
             None, lin.out_features, 0,
             lin.packed_rows_max, lin.bias,
         )  # fmt: skip

@@ -1,17 +1,19 @@
 """The linear layer of the fast CPU path: bf16 weights, fp32 accumulation.
 
-Decode-sized batches (a few rows) are bound by reading the weights, so they run our kernel over
-a packed copy of the weight (tiles of 16 output features, ``[N/16, K, 16]``), streamed once in
-address order. Larger batches are bound by arithmetic, so a second copy is kept for them where
-the CPU has native bf16 matmul: on AMX CPUs our AMX-tile kernel's own layout (``linear_amx``,
-up to ``AMX_ROWS_MAX`` rows; fp32 results, so the output projection needs no rescoring; larger
-batches take oneDNN on the weight unpacked from the tiles), which then serves single rows too
-(vdpbf16ps on the same tiles) and is the only copy kept, else oneDNN's blocked layout
-where PyTorch can prepack it (``mkldnn::_reorder_linear_weight``; ``F.linear`` on a plain weight
-reorders it on every call, which cost 1.3-2x at 16-64 rows on an AMX Xeon), else the dense
-``[N, K]`` weight. On a CPU without native bf16 no second copy is kept: the packed kernel
-serves batches below ``fp32_rows_min``, larger ones multiply in float32 on the packed weight
-expanded a chunk at a time (``linear_bf16_gemm``).
+Where the CPU multiplies bf16 natively (AVX512-BF16, with or without AMX) the weight is kept
+once, as AMX's B tiles (blocks of 16 output features, K in pairs side by side: the layout both
+AMX and ``vdpbf16ps`` multiply), and ``linear_amx`` serves every batch from it: one row by
+``vdpbf16ps`` streaming the tiles, more rows on AMX tiles (up to ``AMX_ROWS_MAX``; larger batches
+take oneDNN on the weight unpacked from the tiles) or, without AMX, ``vdpbf16ps`` on 6 rows x
+64 features of accumulators in registers. fp32 results, so the output projection needs no
+rescoring. Where the kernels were built without AVX512-BF16 on such a CPU, decode-sized
+batches run the packed kernel (tiles of 16 output features, ``[N/16, K, 16]``, fp32 FMAs) and
+larger ones oneDNN's blocked copy where PyTorch can prepack it
+(``mkldnn::_reorder_linear_weight``; ``F.linear`` on a plain weight reorders it on every call,
+1.3-2x at 16-64 rows on an AMX Xeon), else the dense ``[N, K]`` weight. On a CPU without
+native bf16 no second copy is kept: the packed kernel serves batches below ``fp32_rows_min``,
+larger ones multiply in float32 on the packed weight expanded a chunk at a time
+(``linear_bf16_gemm``).
 """
 
 from __future__ import annotations
@@ -49,10 +51,17 @@ def onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
-def amx_pack(w: torch.Tensor) -> torch.Tensor | None:
-    """``w [N, K]`` bf16 as ``linear_amx``'s B tiles, or None where the CPU has no AMX."""
+def tiles_pack(w: torch.Tensor) -> torch.Tensor | None:
+    """``w [N, K]`` bf16 as ``linear_amx``'s B tiles, or None where the kernels have no
+    ``vdpbf16ps`` (no AVX512-BF16)."""
     ops = kernels.ops()
-    return ops.pack_amx_weight(w) if ops.amx_native() else None
+    return ops.pack_amx_weight(w) if ops.bf16_tiles_native() else None
+
+
+def tiles_rows_max() -> int:
+    """Rows up to which ``linear_amx`` takes a batch: ``AMX_ROWS_MAX`` on AMX tiles, every
+    batch on ``vdpbf16ps`` (which keeps up with oneDNN at 512-2,048 rows on the Zen 4 EPYC)."""
+    return AMX_ROWS_MAX if kernels.ops().amx_native() else 1 << 62
 
 
 class PackedLinear(nn.Module):
@@ -81,15 +90,17 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = w.shape
         self.out_sizes = None if out_sizes is None else list(out_sizes)
         self.packed_rows_max = packed_rows_max
-        # large batches: AMX tiles (fp32 results: the output projection needs no rescoring),
-        # else oneDNN's blocked copy, else the dense weight (the output projection keeps the
-        # dense one then: its top logits are recomputed from rows of it)
-        self.amx = amx_pack(w) if keep_dense else None
-        # the few-row copy; AMX tiles serve single rows too (linear_amx), so then there is none
-        packed = kernels.ops().pack_linear_weight(w) if self.amx is None else None
+        # native bf16: the tiles, the one copy (fp32 results: the output projection needs no
+        # rescoring); else for large batches oneDNN's blocked copy, else the dense weight (the
+        # output projection keeps the dense one then: its top logits are recomputed from rows
+        # of it)
+        self.tiles = tiles_pack(w) if keep_dense else None
+        self.tiles_rows_max = tiles_rows_max() if self.tiles is not None else 0
+        # the few-row copy; the tiles serve single rows too (linear_amx), so then there is none
+        packed = kernels.ops().pack_linear_weight(w) if self.tiles is None else None
         self.register_buffer("packed", packed, persistent=False)
-        self.onednn = onednn_prepack(w) if keep_dense and self.amx is None else None
-        need_dense = keep_dense and self.amx is None and (self.onednn is None or fp32_out)
+        self.onednn = onednn_prepack(w) if keep_dense and self.tiles is None else None
+        need_dense = keep_dense and self.tiles is None and (self.onednn is None or fp32_out)
         self.dense = nn.Parameter(w, requires_grad=False) if need_dense else None
         if bias is None:
             self.register_parameter("bias", None)
@@ -102,19 +113,22 @@ class PackedLinear(nn.Module):
         if self.dense is not None:
             return self.dense
         if self.packed is None:
-            return kernels.ops().unpack_amx_weight(self.amx, self.out_features, self.in_features)
+            return kernels.ops().unpack_amx_weight(self.tiles, self.out_features, self.in_features)
         return kernels.ops().unpack_linear_weight(self.packed, self.out_features)
 
-    def drop_packed(self) -> None:
-        """Free the few-row copy once AMX tiles are set: ``linear_amx`` serves every batch."""
-        if self.amx is not None:
+    def set_tiles(self, tiles: torch.Tensor | None) -> None:
+        """Take ``tiles`` (``tiles_pack``'s, or None) as the large-batch copy; with tiles the
+        few-row copy is freed: ``linear_amx`` serves single rows too."""
+        self.tiles = tiles
+        self.tiles_rows_max = tiles_rows_max() if tiles is not None else 0
+        if tiles is not None:
             self.packed = None
 
     @property
     def large_batch_weight(self) -> torch.Tensor | None:
-        """What batches above ``packed_rows_max`` multiply by: the AMX tiles, else the
+        """What batches above ``packed_rows_max`` multiply by: the tiles, else the
         oneDNN-blocked copy, else the dense one (None: the packed kernel serves every batch)."""
-        for w in (self.amx, self.onednn, self.dense):
+        for w in (self.tiles, self.onednn, self.dense):
             if w is not None:
                 return w
         return None
@@ -132,12 +146,12 @@ class PackedLinear(nn.Module):
         ):
             x = x.float() if self.fp32_out else x
             return torch.ops.fastforward.linear_bf16(x, self.packed, self.out_features, self.bias)
-        if self.amx is not None and rows <= AMX_ROWS_MAX:
+        if self.tiles is not None and rows <= self.tiles_rows_max:
             return torch.ops.fastforward.linear_amx(
-                x, self.amx, self.out_features, self.bias, self.fp32_out
+                x, self.tiles, self.out_features, self.bias, self.fp32_out
             )
         xb = x.to(torch.bfloat16)
-        dense = self.weight if self.amx is not None else self.dense
+        dense = self.weight if self.tiles is not None else self.dense
         if self.onednn is not None:
             y = onednn_linear(xb.reshape(-1, self.in_features), self.onednn)
             y = y.reshape(*x.shape[:-1], self.out_features)
@@ -178,6 +192,6 @@ class PackedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"dense={'kept' if self.dense is not None else 'no'}, "
             f"onednn={'prepacked' if self.onednn is not None else 'no'}, "
-            f"amx={'packed' if self.amx is not None else 'no'}, "
+            f"tiles={'packed' if self.tiles is not None else 'no'}, "
             f"packed_rows_max={self.packed_rows_max}"
         )

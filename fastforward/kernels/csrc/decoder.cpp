@@ -66,12 +66,14 @@ struct Linear {
     }
     if (kind == kBf16) {
       if (packed_bf16(rows)) return linear_bf16(x, w, n, bias);
-      const bool amx = !aux.is_mkldnn() && aux.dim() == 4;
-      if (amx && rows <= kAmxRowsMax) return linear_amx(x, aux, n, bias, false);
+      const bool tiles = !aux.is_mkldnn() && aux.dim() == 4;
+      // the tiles take every batch without AMX (vdpbf16ps), up to kAmxRowsMax rows with it
+      if (tiles && (rows <= kAmxRowsMax || !amx_native()))
+        return linear_amx(x, aux, n, bias, false);
       // AMX tiles above kAmxRowsMax: oneDNN on the weight unpacked from the tiles
       auto y = aux.is_mkldnn() ? onednn_linear(x.to(at::kBFloat16), aux)
-               : amx ? at::linear(x.to(at::kBFloat16), unpack_amx_weight(aux, n, x.size(-1)))
-                     : at::linear(x.to(at::kBFloat16), aux);
+               : tiles ? at::linear(x.to(at::kBFloat16), unpack_amx_weight(aux, n, x.size(-1)))
+                       : at::linear(x.to(at::kBFloat16), aux);
       if (bias) y = y + *bias;
       return y.to(x.scalar_type());
     }

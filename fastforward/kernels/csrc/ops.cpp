@@ -13,6 +13,7 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("rescore_logits(Tensor y, Tensor x, Tensor w, Tensor? bias, int k) -> Tensor",
         &ff::rescore_logits);
   m.def("amx_native() -> bool", &ff::amx_native);
+  m.def("bf16_tiles_native() -> bool", &ff::bf16_tiles_native);
   m.def("pack_amx_weight(Tensor w) -> Tensor", &ff::pack_amx_weight);
   m.def("unpack_amx_weight(Tensor wpacked, int N, int K) -> Tensor", &ff::unpack_amx_weight);
   m.def("linear_amx(Tensor x, Tensor wpacked, int N, Tensor? bias, bool fp32_out) -> Tensor",

@@ -34,6 +34,8 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table);
 at::Tensor rescore_logits(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& bias, int64_t k);
 bool amx_native();
+// linear_amx's tiles serve every batch without AMX too: vdpbf16ps (AVX512-BF16).
+bool bf16_tiles_native();
 at::Tensor pack_amx_weight(const at::Tensor& w);
 at::Tensor unpack_amx_weight(const at::Tensor& wpacked, int64_t N, int64_t K);
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
