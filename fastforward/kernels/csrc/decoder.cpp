@@ -106,6 +106,10 @@ struct Linear {
   bool into(const at::Tensor& x, at::Tensor& y) const {
     const int64_t rows = x.size(0);
     if (kind == kBf16) {
+      if (tiles_bf16(rows)) {
+        linear_amx_out(x, w, n, bias, y);
+        return true;
+      }
       if (!packed_bf16(rows)) return false;
       linear_bf16_out(x, w, n, bias, y);
       return true;
@@ -123,6 +127,12 @@ struct Linear {
   // holds them, or the large-batch copy in aux).
   bool packed_bf16(int64_t rows) const {
     return w.dim() != 4 && (!aux.defined() || rows <= rows_max);
+  }
+
+  // kBf16: whether the tiles, the one copy (in w), take these rows (every batch without AMX,
+  // up to kAmxRowsMax rows on AMX tiles).
+  bool tiles_bf16(int64_t rows) const {
+    return w.dim() == 4 && (rows <= kAmxRowsMax || !amx_native());
   }
 
   // kQ4 on the few-row kernel: xb bf16 [rows, K] into y [rows, n], without the bias.

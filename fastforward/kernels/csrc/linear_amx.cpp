@@ -407,6 +407,20 @@ at::Tensor unpack_amx_weight(const at::Tensor& wpacked, int64_t N, int64_t K) {
 // CPU has them, else vdpbf16ps in registers (dp_rows).
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
                       const std::optional<at::Tensor>& bias, bool fp32_out) {
+  const bool f32 = fp32_out || x.scalar_type() == at::kFloat;
+  TORCH_CHECK(f32 || x.scalar_type() == at::kBFloat16, "linear_amx: x must be fp32 or bf16");
+  auto y = at::empty({x.numel() / std::max<int64_t>(x.size(-1), 1), N},
+                     x.options().dtype(f32 ? at::kFloat : at::kBFloat16));
+  linear_amx_out(x, wpacked, N, bias, y);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
+}
+
+// linear_amx into y, a contiguous [rows, N] bf16 or fp32 tensor (the fused decoder stack's
+// buffers for few-token steps; fp32 for logits).
+void linear_amx_out(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
+                    const std::optional<at::Tensor>& bias, at::Tensor& y) {
 #ifdef FF_BF16_DP
   TORCH_CHECK(wpacked.dim() == 4 && wpacked.size(2) == TK / 2 && wpacked.size(3) == 2 * TN &&
                   wpacked.scalar_type() == at::kBFloat16 && wpacked.is_contiguous(),
@@ -415,19 +429,21 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
   TORCH_CHECK(N > (nb - 1) * TN && N <= nb * TN, "N=", N, " does not match the packed weight");
   TORCH_CHECK(K > (kc - 1) * TK && K <= kc * TK, "x has ", K, " features, the weight ",
               kc * TK);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "linear_amx: x must be fp32 or bf16");
   auto x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0), Kp = kc * TK;
+  const bool f32 = y.scalar_type() == at::kFloat;
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.is_contiguous() &&
+                  (f32 || y.scalar_type() == at::kBFloat16),
+              "linear_amx: the output must be a contiguous [", M, ", ", N,
+              "] bf16 or fp32 tensor");
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "bias must have ", N, " entries");
     b = bias->to(at::kFloat).contiguous();
   }
-  const bool f32 = fp32_out || x.scalar_type() == at::kFloat;
-  TORCH_CHECK(f32 || x.scalar_type() == at::kBFloat16, "linear_amx: x must be fp32 or bf16");
-  auto y = at::empty({M, N}, x.options().dtype(f32 ? at::kFloat : at::kBFloat16));
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  if (M == 0) return y.view(sizes);
+  if (M == 0) return;
   const auto* wp = reinterpret_cast<const uint16_t*>(wpacked.data_ptr());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   void* yp = y.data_ptr();
@@ -455,7 +471,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
     } else {
       dp_rows(xp, ldx, M, wp, kc, nb, bp, N, static_cast<uint16_t*>(yp));
     }
-    return y.view(sizes);
+    return;
   }
 #ifdef FF_AMX
   const int64_t Mp = (M + TM - 1) / TM * TM;
@@ -480,9 +496,8 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
     _tile_release();
   });
 #endif
-  return y.view(sizes);
 #else
-  (void)x, (void)wpacked, (void)N, (void)bias, (void)fp32_out;
+  (void)x, (void)wpacked, (void)N, (void)bias, (void)y;
   TORCH_CHECK(false, "linear_amx: built without AVX512-BF16");
 #endif
 }

@@ -40,6 +40,8 @@ at::Tensor pack_amx_weight(const at::Tensor& w);
 at::Tensor unpack_amx_weight(const at::Tensor& wpacked, int64_t N, int64_t K);
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
                       const std::optional<at::Tensor>& bias, bool fp32_out);
+void linear_amx_out(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
+                    const std::optional<at::Tensor>& bias, at::Tensor& y);
 bool linear_q4_native();
 bool paged_attention_bf16_native();
 bool paged_attention_int8_native();
