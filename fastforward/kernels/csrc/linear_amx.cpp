@@ -14,6 +14,10 @@
 // 4-bit weights (linear_q4's layout) take the same tiles in batches: linear_q4_amx expands each
 // block of codes to bf16 B tiles in a buffer that stays in cache and multiplies every row by
 // it, so the expansion is paid once per call rather than once per row.
+//
+// The same tiles are the layout vdpbf16ps multiplies (a tile row is a K pair of 16 features),
+// so on a CPU with AVX512-BF16 and no AMX linear_amx serves every batch from them too: one row
+// streaming them (one_row), several in registers (dp_rows).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -114,8 +118,6 @@ void pass(const uint16_t* a, int64_t Kp, int64_t m0, int64_t mt, int64_t M, cons
     }
   }
 }
-
-
 #endif  // FF_AMX
 
 #ifdef FF_BF16_DP
