@@ -22,7 +22,6 @@
 #include <memory>
 #include <vector>
 
-#include "parallel.h"
 #include "vec.h"
 
 namespace ff {
@@ -820,12 +819,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
   const auto* qp = reinterpret_cast<const QT*>(q.data_ptr());
   const auto* cp = reinterpret_cast<const CT*>(cache.data_ptr());
   const int64_t* tp = table.data_ptr<int64_t>();
-  // Each thread down its own share of the items, then the others' last ones: a thread woken
-  // late, or whose sequences are longer, leaves the others waiting less. Batch-64 decode steps
-  // of SmolLM2 on the Zen 4 EPYC, against equal halves (six alternating pairs of processes, a
-  // throwaway script): 61.2 -> 56.7, 61.9 -> 58.0, 62.7 -> 58.2, 65.0 -> 63.1 ms, two pairs
-  // the other way (65.5 -> 66.4, 59.0 -> 66.7).
-  auto attend_items = [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       float* pi = partial.get() + i * stride;
       if constexpr (dp_types) {
@@ -836,8 +830,7 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
       }
       attend_item<QT, CT>(items[i], g, qp, cp, scales, tp, qpos0.data(), pi);
     }
-  };
-  steal_for(int64_t(items.size()), int64_t(items.size()), 1, attend_items);
+  });
   // Merge the parts of each (chunk, KV head) and write rows to out [T, H, D].
   auto* op = reinterpret_cast<QT*>(out.data_ptr());
   const int64_t groups = int64_t(items.size()) / parts;
