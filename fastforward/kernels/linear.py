@@ -94,11 +94,11 @@ class PackedLinear(nn.Module):
         # rescoring); else for large batches oneDNN's blocked copy, else the dense weight (the
         # output projection keeps the dense one then: its top logits are recomputed from rows
         # of it)
-        self.tiles = tiles_pack(w) if keep_dense else None
-        self.tiles_rows_max = tiles_rows_max() if self.tiles is not None else 0
+        tiles = tiles_pack(w) if keep_dense else None
         # the few-row copy; the tiles serve single rows too (linear_amx), so then there is none
-        packed = kernels.ops().pack_linear_weight(w) if self.tiles is None else None
+        packed = kernels.ops().pack_linear_weight(w) if tiles is None else None
         self.register_buffer("packed", packed, persistent=False)
+        self.set_tiles(tiles)
         self.onednn = onednn_prepack(w) if keep_dense and self.tiles is None else None
         need_dense = keep_dense and self.tiles is None and (self.onednn is None or fp32_out)
         self.dense = nn.Parameter(w, requires_grad=False) if need_dense else None

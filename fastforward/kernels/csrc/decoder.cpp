@@ -66,14 +66,11 @@ struct Linear {
     }
     if (kind == kBf16) {
       if (packed_bf16(rows)) return linear_bf16(x, w, n, bias);
-      const bool tiles = !aux.is_mkldnn() && aux.dim() == 4;
-      // the tiles take every batch without AMX (vdpbf16ps), up to kAmxRowsMax rows with it
-      if (tiles && (rows <= kAmxRowsMax || !amx_native()))
-        return linear_amx(x, aux, n, bias, false);
+      if (tiles_bf16(rows)) return linear_amx(x, w, n, bias, false);
       // AMX tiles above kAmxRowsMax: oneDNN on the weight unpacked from the tiles
-      auto y = aux.is_mkldnn() ? onednn_linear(x.to(at::kBFloat16), aux)
-               : tiles ? at::linear(x.to(at::kBFloat16), unpack_amx_weight(aux, n, x.size(-1)))
-                       : at::linear(x.to(at::kBFloat16), aux);
+      auto y = aux.is_mkldnn()   ? onednn_linear(x.to(at::kBFloat16), aux)
+               : w.dim() == 4 ? at::linear(x.to(at::kBFloat16), unpack_amx_weight(w, n, x.size(-1)))
+                              : at::linear(x.to(at::kBFloat16), aux);
       if (bias) y = y + *bias;
       return y.to(x.scalar_type());
     }

@@ -409,8 +409,8 @@ at::Tensor unpack_amx_weight(const at::Tensor& wpacked, int64_t N, int64_t K) {
 // CPU has them, else vdpbf16ps in registers (dp_rows).
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
                       const std::optional<at::Tensor>& bias, bool fp32_out) {
+  // x's dtype is checked by linear_amx_out
   const bool f32 = fp32_out || x.scalar_type() == at::kFloat;
-  TORCH_CHECK(f32 || x.scalar_type() == at::kBFloat16, "linear_amx: x must be fp32 or bf16");
   auto y = at::empty({x.numel() / std::max<int64_t>(x.size(-1), 1), N},
                      x.options().dtype(f32 ? at::kFloat : at::kBFloat16));
   linear_amx_out(x, wpacked, N, bias, y);
