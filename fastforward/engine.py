@@ -179,9 +179,13 @@ class LLMEngine:
             self.tokenizer.eos_token_id,
             token_texts=texts,
         )
-        argmax = kernels.ops().argmax_rows if self._use_kernels else None
+        ops = kernels.ops() if self._use_kernels else None
         self.sampler = Sampler(
-            seed=args.seed, grammars=self.grammars, token_texts=texts, argmax=argmax
+            seed=args.seed,
+            grammars=self.grammars,
+            token_texts=texts,
+            argmax=ops.argmax_rows if ops else None,
+            sample_logits=ops.sample_logits if ops else None,
         )
         self.verifier = DraftVerifier(self.sampler, self.grammars)
         self.proposer = self._make_proposer(self.spec_config)

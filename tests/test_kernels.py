@@ -1231,6 +1231,56 @@ def test_argmax_rows_matches_torch_max(vocab):
     )
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 16, 33, 1000, 49152])
+def test_sample_logits_picks_the_token_whose_interval_holds_u(vocab):
+    """The kernel samples softmax(logits) by inverse CDF: a uniform in the middle of a token's
+    interval of the CDF (computed in float64) picks that token, as the torch twin does; masked
+    tokens are never picked; rows without finite mass give -1."""
+    from fastforward.layers.sampler import inverse_cdf
+
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=gen) * 3
+    x[1, ::3] = float("-inf")  # masked tokens
+    x[1, 0] = 0.0
+    x[2] = -1e4
+    x[2, -1] = 5.0  # one token takes all the mass (the others under e^-87)
+    if vocab > 1:
+        x[4, vocab // 2] = float("nan")
+    x[5] = float("-inf")
+    ops = kernels.ops()
+    probs = torch.softmax(x.double(), dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    for r in (0, 1, 2, 3):
+        big = torch.nonzero(probs[r] > 1e-3).flatten()[:40].tolist()
+        for j in big:
+            lo = cdf[r, j - 1].item() if j else 0.0
+            u = torch.full((6,), (lo + cdf[r, j].item()) / 2, dtype=torch.float64)
+            assert ops.sample_logits(x, u)[r].item() == j
+            assert inverse_cdf(torch.softmax(x, dim=-1), u)[r].item() == j
+    picks = set()
+    for u in torch.linspace(0, 1 - 1e-12, 257, dtype=torch.float64).tolist():
+        got = ops.sample_logits(x, torch.full((6,), u, dtype=torch.float64))
+        picks.add(got[1].item())
+        assert got[5].item() == -1  # all masked
+        assert got[4].item() == (-1 if vocab > 1 else 0)  # a NaN row
+        assert got[2].item() == vocab - 1
+    assert all(x[1, j] > float("-inf") for j in picks)
+    assert len(picks) > 1 or vocab < 4  # it really samples
+
+
+def test_sample_logits_rejects_bad_input():
+    ops = kernels.ops()
+    u = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="2-D float32"):
+        ops.sample_logits(torch.zeros(3, 4, dtype=torch.bfloat16), u)
+    with pytest.raises(RuntimeError, match="one value per row"):
+        ops.sample_logits(torch.zeros(3, 4), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="float64"):
+        ops.sample_logits(torch.zeros(3, 4), torch.zeros(3))
+    with pytest.raises(RuntimeError, match="empty"):
+        ops.sample_logits(torch.zeros(3, 0), u)
+
+
 def test_argmax_rows_rejects_bad_input():
     ops = kernels.ops()
     with pytest.raises(RuntimeError, match="2-D float32"):

@@ -13,7 +13,9 @@ from fastforward.layers.sampler import (
     apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p,
+    apply_top_k_top_p_sorted,
     filter_logits,
+    inverse_cdf,
 )
 from fastforward.request import Request
 from fastforward.sampling_params import SamplingParams
@@ -103,6 +105,40 @@ def test_top_p_mask(top_p, expected):
     logits = log_probs_row(PROBS7)
     apply_top_k_top_p(logits, None, torch.tensor([top_p]))
     assert kept(logits) == [expected]
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0], ids=["flat", "mid", "peaked"])
+def test_top_p_from_candidates_matches_the_sorted_reference(scale):
+    """The fast top-p (among each row's most likely tokens, then the sorted reference for the
+    rows those do not cover) keeps the sorted reference's tokens, with and without top-k, on
+    rows from peaked (few candidates) to flat (the whole vocabulary sorted), NaN rows too."""
+    gen = torch.Generator().manual_seed(int(scale * 100))
+    rows, vocab = 12, 6000
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    logits[3, :100] += 8.0  # a hundred likely tokens
+    logits[5, ::2] = NEG_INF  # half masked before top-p
+    logits[7, 11] = float("nan")
+    top_p = torch.tensor([0.5, 0.9, 0.95, 0.99, 1.0, 0.8, 0.3, 0.9, 0.999, 0.7, 0.6, 0.95])
+    for top_k in (None, torch.tensor([vocab, 5, 300, 3000] * 3)):
+        fast, ref = logits.clone(), logits.clone()
+        apply_top_k_top_p(fast, top_k, top_p)
+        apply_top_k_top_p_sorted(ref, top_k, top_p)
+        for r in range(rows):
+            if r == 7:  # NaN row: both leave the NaN in place
+                assert torch.isnan(fast[r, 11]) and torch.isnan(ref[r, 11])
+                continue
+            assert kept(fast[r : r + 1]) == kept(ref[r : r + 1]), (scale, top_k, r)
+            assert torch.equal(fast[r][fast[r] > NEG_INF], ref[r][ref[r] > NEG_INF])
+
+
+def test_inverse_cdf_picks_by_interval_and_never_a_zero():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0], [0.0] * 6])
+    picks = [
+        inverse_cdf(probs, torch.tensor([u, u], dtype=torch.float64)).tolist()
+        for u in (0.0, 0.2, 0.3, 0.7, 0.8, 0.999999)
+    ]
+    assert [p[0] for p in picks] == [1, 1, 3, 3, 4, 4]
+    assert all(p[1] == -1 for p in picks)  # no mass
 
 
 def test_top_p_sees_distribution_renormalized_after_top_k():
@@ -373,11 +409,19 @@ def _frequencies(tokens: list[int], vocab: int) -> list[float]:
 
 @pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 @pytest.mark.parametrize("seeded", [False, True], ids=["shared", "seeded"])
-def test_sampled_distribution_matches_filtered(combo, seeded):
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_sampled_distribution_matches_filtered(combo, seeded, kernel):
     expected = reference_distribution(LOGITS8, **combo)
     logits = torch.tensor(LOGITS8).repeat(N_DRAWS, 1)  # [N, 8]
     reqs = [make_request(str(i), seed=(i if seeded else None), **combo) for i in range(N_DRAWS)]
-    tokens = [o.token_id for o in Sampler(seed=123)(logits, reqs)]
+    sample_logits = None
+    if kernel:
+        from fastforward import kernels
+
+        if not kernels.available():
+            pytest.skip("no C++ compiler for kernels")
+        sample_logits = kernels.ops().sample_logits
+    tokens = [o.token_id for o in Sampler(seed=123, sample_logits=sample_logits)(logits, reqs)]
     freqs = _frequencies(tokens, len(LOGITS8))
     diffs = [abs(f - e) for f, e in zip(freqs, expected, strict=True)]
     assert max(diffs) < FREQ_TOL, (freqs, expected)

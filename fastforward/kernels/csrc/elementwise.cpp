@@ -320,4 +320,63 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// Sampling from softmax(logits) by inverse CDF, one uniform u[r] in [0, 1) a row, without the
+// [rows, vocab] probabilities or noise in memory: per row its max, exp(x - max) into a buffer
+// of the thread's, the sum of each block of VL (one vector), their total in double; then the
+// first block whose running sum passes u x total and, inside it, the first token whose running
+// sum does (rounding inside the block can leave it short: then the block's last token of
+// nonzero weight). A token of weight 0 (a masked -inf, or under e^-87 of the max) is never
+// taken. -1 where the total is not a positive finite number (NaN or +inf logits). At 64 rows of
+// SmolLM2's 49,152 tokens this replaced softmax, Exp(1) noise through torch's serial generator
+// and an argmax: ~70 ms -> ~1 ms (Zen 4 EPYC, 2 threads).
+at::Tensor sample_logits(const at::Tensor& logits, const at::Tensor& u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
+              "sample_logits: logits must be 2-D float32");
+  TORCH_CHECK(u.dim() == 1 && u.scalar_type() == at::kDouble && u.size(0) == logits.size(0),
+              "sample_logits: u must be float64 with one value per row of logits");
+  TORCH_CHECK(logits.size(1) > 0, "sample_logits: rows must not be empty");
+  const auto lc = logits.contiguous();
+  const auto uc = u.contiguous();
+  const int64_t R = lc.size(0), V = lc.size(1);
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
+  const float* lp = lc.data_ptr<float>();
+  const double* up = uc.data_ptr<double>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t nb = (V + VL - 1) / VL;
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> w(nb * VL, 0.f), block(nb);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = lp + r * V;
+      float mx = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      for (int64_t i = 0; i < V; ++i) {
+        mx = std::max(mx, x[i]);  // a NaN does not pass into mx: it is seen here
+        nan |= std::isnan(x[i]);
+      }
+      int64_t i = 0;
+      for (; i + VL <= V; i += VL) store(w.data() + i, vexp(load(x + i) - splat(mx)));
+      for (; i < V; ++i) w[i] = std::exp(x[i] - mx);
+      double total = 0.0;
+      for (int64_t b = 0; b < nb; ++b) {
+        block[b] = hsum(load(w.data() + b * VL));  // the tail's padding lanes hold 0
+        total += block[b];
+      }
+      op[r] = -1;
+      if (nan || !(total > 0.0) || !std::isfinite(total)) continue;
+      const double target = up[r] * total;
+      double sum = 0.0;
+      int64_t b = 0;
+      while (b + 1 < nb && sum + block[b] <= target) sum += block[b++];
+      const int64_t hi = std::min(V, (b + 1) * VL);
+      for (int64_t j = b * VL; j < hi; ++j) {
+        if (w[j] <= 0.f) continue;
+        op[r] = j;  // the block's last token of nonzero weight, unless one passes the target
+        sum += w[j];
+        if (sum > target) break;
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace ff

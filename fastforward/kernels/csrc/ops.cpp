@@ -57,6 +57,7 @@ TORCH_LIBRARY(fastforward, m) {
       &ff::add_rms_norm_);
   m.def("gated_act(Tensor x, bool gelu) -> Tensor", &ff::gated_act);
   m.def("argmax_rows(Tensor x) -> Tensor", &ff::argmax_rows);
+  m.def("sample_logits(Tensor logits, Tensor u) -> Tensor", &ff::sample_logits);
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table) -> ()", &ff::rope_);
   m.def(
       "write_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping, "

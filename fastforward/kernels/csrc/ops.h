@@ -30,6 +30,9 @@ at::Tensor gated_act(const at::Tensor& x, bool gelu);
 void gated_act_out(const at::Tensor& x, bool gelu, at::Tensor& out);
 // Each row's first NaN, else its first maximum: torch.max(x, dim=-1).indices for fp32 [R, V].
 at::Tensor argmax_rows(const at::Tensor& x);
+// Each row's token for a uniform in [0, 1), sampled from softmax of fp32 logits [R, V] by
+// inverse CDF (-1: no finite positive mass).
+at::Tensor sample_logits(const at::Tensor& logits, const at::Tensor& u);
 void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table);
 at::Tensor rescore_logits(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& bias, int64_t k);
