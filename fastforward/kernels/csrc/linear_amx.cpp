@@ -199,25 +199,29 @@ inline void dp_block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
     for (int u = 0; u < NB; ++u) acc[m][u] = _mm512_setzero_ps();
-  const uint32_t* xq[MR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) xq[m] = reinterpret_cast<const uint32_t*>(x + m * ldx);
-  int64_t issued = 0;
+  // x's pair j of row m at xb + m * ldx * 2 bytes, the blocks' pair j at wb + u * bstride * 2:
+  // both pointers step once a pair. The prefetches keep pace by a credit of pf_n per pair, a
+  // line per pairs of credit. A division a pair to schedule them, and the loop's indexed loads,
+  // cost ~4% of the block's speed (a standalone copy of the loop, one Zen 4 core, 64 rows in
+  // cache: 209-210 -> 216-219 GFLOP/s of its 231 peak).
+  const char* xb = reinterpret_cast<const char*>(x);
+  const char* wb = reinterpret_cast<const char*>(w);
+  const int64_t lb = ldx * 2, bs = bstride * 2;
+  int64_t credit = 0;
   for (int64_t j = 0; j < pairs; ++j) {
-    if (pf_n) {
-      const int64_t due = (j + 1) * pf_n / pairs;
-      for (; issued < due; ++issued) _mm_prefetch(pf + issued * 64, _MM_HINT_T1);
-    }
+    for (credit += pf_n; credit >= pairs; credit -= pairs, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
     __m512bh wv[NB];
 #pragma GCC unroll 8
-    for (int u = 0; u < NB; ++u)
-      wv[u] = (__m512bh)_mm512_loadu_si512(w + u * bstride + j * 2 * TN);
+    for (int u = 0; u < NB; ++u) wv[u] = (__m512bh)_mm512_loadu_si512(wb + u * bs);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(xq[m][j]));
+      const __m512bh xv =
+          (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xb + m * lb));
 #pragma GCC unroll 8
-      for (int u = 0; u < NB; ++u) acc[m][u] = _mm512_dpbf16_ps(acc[m][u], xb, wv[u]);
+      for (int u = 0; u < NB; ++u) acc[m][u] = _mm512_dpbf16_ps(acc[m][u], xv, wv[u]);
     }
+    xb += 4;
+    wb += 2 * TN * 2;
   }
 #pragma GCC unroll 8
   for (int u = 0; u < NB; ++u) {
