@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from fastforward.kv.manager import KVCacheManager
-from fastforward.layers.sampler import Sampler, filter_logits
+from fastforward.layers.sampler import Sampler, filter_logits, sample_probs
 from fastforward.request import Request
 from fastforward.runner import ModelRunner
 from fastforward.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -47,11 +47,10 @@ def sample_drafts(
     if rows:
         reqs = [requests[i] for i in rows]
         q = torch.softmax(filter_logits(logits[rows].clone(), reqs), dim=-1)  # [R', V]
-        noise = torch.empty_like(q)
-        for j, r in enumerate(reqs):
-            gen = sampler.generator(r, r.num_output_tokens + step, q.device, DRAFT_SALT)
-            noise[j].exponential_(generator=gen)
-        picked = (q / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1).tolist()
+        gens = [
+            sampler.generator(r, r.num_output_tokens + step, q.device, DRAFT_SALT) for r in reqs
+        ]
+        picked = sample_probs(q, gens)
         for j, i in enumerate(rows):
             tokens[i], probs[i] = picked[j], q[j]
     return tokens, probs

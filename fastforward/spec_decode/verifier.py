@@ -27,6 +27,7 @@ from fastforward.layers.sampler import (
     apply_penalties,
     build_sampled_tokens,
     filter_logits,
+    sample_probs,
 )
 from fastforward.request import Request
 from fastforward.structured_outputs import GrammarCompiler, bitmask_to_bool
@@ -151,8 +152,7 @@ class DraftVerifier:
             target = residual if float(residual.sum()) > 0 else p[accepted]
         else:
             target = p[k]
-        noise = torch.empty_like(target).exponential_(generator=gen)
-        token = int((target / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax())
+        token = sample_probs(target.unsqueeze(0), [gen])[0]
         return drafts[:accepted] + [token]
 
     def _grammar_masks(
