@@ -5,13 +5,16 @@ Usage::
     python benchmarks/bench_sampler.py            # SmolLM2-135M, batches 1 8 64
     python benchmarks/bench_sampler.py --batches 64 --reps 5
 
-The logits are SmolLM2-135M's (``LLM("smollm2-135m")``, default dtype) for the next token after
+Each request has a prompt of 100 ids and 120 generated ones (for the penalties). The logits
+are SmolLM2-135M's (``LLM("smollm2-135m")``, default dtype) for the next token after
 each of ``max(batches)`` prompts of ~100 tokens (the batched workload of bench_cpu.py), taken
 from one engine step. For each setting below, every row of the batch asks for it, and three
 samplers pick one token a row, side by side in this process:
 
-* ``reference``: vLLM v1's torch path: the whole vocabulary sorted for top-k/top-p, then the
-  exponential race ``argmax(softmax / E)`` with an ``E ~ Exp(1)`` a token (this file);
+* ``reference``: vLLM v1's torch path: penalties from dense [rows, vocab] counts
+  (fastforward's ``apply_penalties_dense``), the whole vocabulary sorted for top-k/top-p, then
+  the exponential race ``argmax(softmax / E)`` with an ``E ~ Exp(1)`` a token, logprobs from a
+  ``log_softmax`` of the batch (this file);
 * ``ff torch``: fastforward's ``Sampler`` without the C++ kernels (top-p from candidates, one
   uniform a row through a float64 cumulative sum);
 * ``ff``: fastforward's ``Sampler`` as the engine builds it (argmax_rows and sample_logits).
@@ -41,6 +44,11 @@ SETTINGS = {
     "T=0.8 top_k=50": dict(temperature=0.8, top_k=50),
     "T=0.8 top_p=0.95": dict(temperature=0.8, top_p=0.95),
     "T=0.7 top_k=40 top_p=0.9 min_p=0.05": dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05),
+    "T=0.8 repetition_penalty=1.1": dict(temperature=0.8, repetition_penalty=1.1),
+    "T=0.8 frequency/presence 0.5/0.3": dict(
+        temperature=0.8, frequency_penalty=0.5, presence_penalty=0.3
+    ),
+    "T=0.8 logprobs=5": dict(temperature=0.8, logprobs=5),
 }
 
 
@@ -65,11 +73,20 @@ def real_logits(model: str, rows: int) -> torch.Tensor:
     return seen[0]
 
 
-def reference_sample(logits: torch.Tensor, params: dict, gen: torch.Generator) -> torch.Tensor:
+def reference_sample(
+    logits: torch.Tensor, params: dict, gen: torch.Generator, reqs: list
+) -> torch.Tensor:
     """vLLM v1's torch-native sampling of every row with the same settings."""
+    from fastforward.layers.sampler import apply_penalties_dense
+
+    if params.get("logprobs"):
+        lp = torch.log_softmax(logits, dim=-1)
+        lp.topk(params["logprobs"], dim=-1)
     if params["temperature"] == 0.0:
         return logits.argmax(dim=-1)
-    x = logits / params["temperature"]
+    x = logits.clone()
+    apply_penalties_dense(x, reqs)
+    x = x / params["temperature"]
     if params.get("min_p"):
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * params["min_p"], -1e30)
@@ -86,6 +103,17 @@ def reference_sample(logits: torch.Tensor, params: dict, gen: torch.Generator) -
         x = x.scatter(1, order, sorted_x)
     probs = torch.softmax(x, dim=-1)
     return probs.div_(torch.empty_like(probs).exponential_(generator=gen)).argmax(dim=-1)
+
+
+def request(i: int, params: dict):
+    """Request i with these settings, 100 prompt ids and 120 generated ones."""
+    from fastforward.request import Request
+    from fastforward.sampling_params import SamplingParams
+
+    req = Request(f"r{i}", list(range(100 + i, 200 + i)), SamplingParams(max_tokens=300, **params))
+    for t in range(120):
+        req.append_token((t * 37 + i) % 5000)
+    return req
 
 
 def timed(fn, reps: int) -> float:
@@ -108,8 +136,6 @@ def main() -> None:
 
     from fastforward import kernels
     from fastforward.layers.sampler import Sampler
-    from fastforward.request import Request
-    from fastforward.sampling_params import SamplingParams
 
     if not kernels.available():
         sys.exit("bench_sampler: the C++ kernels do not build here")
@@ -121,13 +147,15 @@ def main() -> None:
     for name, params in SETTINGS.items():
         for b in args.batches:
             x = logits[:b]
-            reqs = [Request(f"r{i}", [1], SamplingParams(max_tokens=8, **params)) for i in range(b)]
+            reqs = [request(i, params) for i in range(b)]
             plain = Sampler(seed=0)
             fast = Sampler(seed=0, argmax=ops.argmax_rows, sample_logits=ops.sample_logits)
             row = {
                 "setting": name,
                 "batch": b,
-                "reference_ms": timed(lambda x=x, p=params: reference_sample(x, p, gen), args.reps),
+                "reference_ms": timed(
+                    lambda x=x, p=params, r=reqs: reference_sample(x, p, gen, r), args.reps
+                ),
                 "ff_torch_ms": timed(
                     lambda x=x, r=reqs, f=plain: f(x.clone(), r, owned=True), args.reps
                 ),

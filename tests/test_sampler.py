@@ -12,6 +12,7 @@ from fastforward.layers.sampler import (
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
+    apply_penalties_dense,
     apply_top_k_top_p,
     apply_top_k_top_p_sorted,
     filter_logits,
@@ -227,6 +228,42 @@ def test_tiny_repetition_penalty_keeps_masked_tokens_masked():
     assert logits[0, 0] == NEG_INF and logits[0, 3] == NEG_INF
     assert torch.isfinite(logits[0, 1:3]).all() and logits[0, 1] > 1e30
     assert int(logits.argmax()) == 1
+
+
+def test_penalties_on_held_tokens_match_the_dense_reference():
+    """apply_penalties touches only the tokens a row holds, with the dense reference's float32
+    arithmetic: the same bits, for mixed rows, repeated and out-of-vocab ids, -inf logits."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, rows = 300, 9
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    logits[2, 5] = NEG_INF
+    settings = [
+        dict(repetition_penalty=1.3),
+        dict(frequency_penalty=0.7, presence_penalty=-0.4),
+        dict(),
+        dict(repetition_penalty=0.8, frequency_penalty=0.2),
+        dict(presence_penalty=1.5),
+        dict(repetition_penalty=1.0, frequency_penalty=-1.0),
+        dict(repetition_penalty=2.0, presence_penalty=0.1),
+        dict(temperature=0.0),
+        dict(repetition_penalty=1e-40),  # clamped to float32's smallest normal
+    ]
+    reqs = []
+    for i, kw in enumerate(settings):
+        prompt = torch.randint(-2, vocab + 3, (40,), generator=gen).tolist() + [5]
+        out = torch.randint(0, 40, (25 + i,), generator=gen).tolist() + [vocab + 7]
+        reqs.append(make_request(str(i), prompt=prompt, output=out, **kw))
+    fast, ref = logits.clone(), logits.clone()
+    apply_penalties(fast, reqs)
+    apply_penalties_dense(ref, reqs)
+    assert torch.equal(fast, ref)
+    assert not torch.equal(fast, logits)
+    for kw in ({}, dict(repetition_penalty=1.3)):  # only some rows, or no tokens at all
+        plain = [make_request("a", **kw), make_request("b", output=[1, 1, 2], **kw)]
+        fast, ref = logits[:2].clone(), logits[:2].clone()
+        apply_penalties(fast, plain)
+        apply_penalties_dense(ref, plain)
+        assert torch.equal(fast, ref)
 
 
 def test_penalty_changes_greedy_choice():
