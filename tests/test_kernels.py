@@ -249,12 +249,15 @@ def _skip_without_table_kernel(levels: str) -> None:
 def test_linear_q4_matches_dense(m, n, k, group, zeros, levels):
     """Rows in blocks of 1-4 and tiles in blocks of 4 with tails; the table (int4 levels, which
     the kernel builds by bit logic, or codebook centroids, looked up), scales and zeros against
-    a float64 matmul of the expanded weight. From 5 rows an AMX CPU takes linear_q4_amx, which
-    rounds the expanded weight to bf16 once, as a dequantize-then-bf16-matmul would."""
+    a float64 matmul of the expanded weight. From 5-32 rows (Q4_AMX_ROWS_MIN, Q4_DP_ROWS_MIN)
+    a CPU with AVX512-BF16 takes linear_q4_amx, which rounds the expanded weight to bf16 once,
+    as a dequantize-then-bf16-matmul would."""
     _skip_without_table_kernel(levels)
     x, packed, sz, table, w = _q4_case(m, n, k, group, zeros, levels)
     y = kernels.ops().linear_q4(x, packed, sz, table, group)
-    if m >= Q4_AMX_ROWS_MIN[levels] and kernels.ops().amx_native():
+    ops = kernels.ops()
+    expanded = Q4_AMX_ROWS_MIN if ops.amx_native() else Q4_DP_ROWS_MIN
+    if m >= expanded[levels] and (ops.amx_native() or ops.bf16_tiles_native()):
         w = w.to(torch.bfloat16).double()
     ref = x.double() @ w.t()
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
@@ -285,7 +288,10 @@ def test_linear_q4_int4_rows_with_an_outlier(m):
 
 
 # csrc/linear_q4.cpp kQ4Int4AmxRowsMin, kQ4AmxRowsMin
+# csrc/linear_q4.cpp: from these rows linear_q4 hands a batch to linear_q4_amx (AMX tiles, or
+# vdpbf16ps on a CPU with AVX512-BF16 alone)
 Q4_AMX_ROWS_MIN = {"int4": 9, "centroids": 5}
+Q4_DP_ROWS_MIN = {"int4": 16, "centroids": 32}
 
 
 @needs_int4
@@ -384,7 +390,7 @@ def test_int4_batches_above_the_kernel_rows_expand_the_weight(expand):
         torch.testing.assert_close(got, expected, atol=1e-2 * expected.abs().max(), rtol=0)
 
 
-@needs_amx
+@needs_tiles
 @pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 576, 576, 32), (16, 48, 128, 128),
                          (70, 80, 36, 4), (64, 1536, 576, 32), (600, 96, 384, 64)])  # fmt: skip
 @pytest.mark.parametrize("zeros", [True, False])
@@ -400,7 +406,8 @@ def test_linear_q4_amx_matches_bf16_weight(m, n, k, group, zeros, levels):
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-5 * ref.abs().max())
     assert torch.equal(ops.linear_q4_amx(x[m // 3 :], packed, sz, table, group), y[m // 3 :])
-    if m >= Q4_AMX_ROWS_MIN[levels]:
+    amx = kernels.ops().amx_native()
+    if m >= (Q4_AMX_ROWS_MIN if amx else Q4_DP_ROWS_MIN)[levels]:
         assert torch.equal(ops.linear_q4(x, packed, sz, table, group), y)
 
 
@@ -437,6 +444,30 @@ def test_linear_i8_rows_matches_the_int8_weight(m, n, k):
         ops.linear_i8_rows(x, blocks, scales.float())
     with pytest.raises(RuntimeError, match="features"):
         ops.linear_i8_rows(x[:, :32], blocks, scales)
+
+
+@needs_tiles
+@needs_int8_rows
+@pytest.mark.parametrize(("m", "n", "k"), [(17, 64, 576), (64, 576, 1536), (300, 48, 96)])
+def test_int8_linear_batches_take_the_expanded_tiles(m, n, k):
+    """Int8Linear on the kernels: up to its few-row limit linear_i8_rows, above it the codes
+    times each output row's scale expanded to bf16 tiles (linear_i8g_amx with one group of K),
+    against a float64 matmul of that weight rounded once to bf16; each row independent of the
+    batch around it."""
+    from fastforward.quant.int8 import Int8Linear, Int8Weights
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, generator=gen) * 0.01 + 1e-3).to(torch.bfloat16)
+    module = Int8Linear(Int8Weights(codes, scales))
+    module.use_native_kernel()
+    assert module.native and module.tile_scales is not None
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    y = module(x)
+    w = (codes.double() * scales.double()[:, None]).to(torch.bfloat16).double()
+    ref = x.double() @ w.t()
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-5 * ref.abs().max())
+    assert torch.equal(module(x[m - 17 :]), y[m - 17 :])
 
 
 def _i8g_refuses_bad_input(op, x, codes, scales, group):
@@ -483,7 +514,7 @@ def test_linear_i8g_rows_matches_the_group_scaled_weight(m, n, k, group):
     _i8g_refuses_bad_input(ops.linear_i8g_rows, x, blocks, block_scales, group)
 
 
-@needs_amx
+@needs_tiles
 @pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 64, 64, 32), (70, 48, 96, 16),
                          (17, 4096, 576, 32), (600, 32, 36, 2), (3, 4096, 576, 32),
                          (4, 48, 96, 16), (2, 32, 36, 2), (16, 80, 64, 32), (7, 48, 96, 16)])  # fmt: skip

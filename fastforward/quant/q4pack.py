@@ -22,12 +22,17 @@ TILE = 16
 
 def kernel_rows_max(without_amx: int) -> int:
     """The largest batch a layer should give linear_q4 (call with the kernels loaded): every
-    batch on an AMX CPU, else ``without_amx`` where the CPU has native bf16 (the kernel's cost
-    grows with the rows there) and every batch where it has not (``few_row_kernel_limit``)."""
+    batch where the kernels multiply bf16 tiles (AMX, or AVX512-BF16's ``vdpbf16ps``: linear_q4
+    hands larger batches to ``linear_q4_amx``, which expands the codes once per call), else
+    ``without_amx`` where the CPU has native bf16 (the kernel's cost grows with the rows there)
+    and every batch where it has not (``few_row_kernel_limit``)."""
     from fastforward import kernels
     from fastforward.quant.base import EVERY_BATCH, few_row_kernel_limit
 
-    return EVERY_BATCH if kernels.ops().amx_native() else few_row_kernel_limit(without_amx)
+    ops = kernels.ops()
+    if ops.amx_native() or ops.bf16_tiles_native():
+        return EVERY_BATCH
+    return few_row_kernel_limit(without_amx)
 
 
 def shape_ok(out_features: int, in_features: int, group_size: int) -> bool:

@@ -85,7 +85,7 @@ struct Linear {
     } else {
       y = kind == kQ4      ? linear_q4(xb, w, aux, table, group)  // on AMX tiles
           : kind == kQ5    ? linear_q5(xb, w, aux, group)
-          : kind == kI8G   ? (amx_native() ? linear_i8g_amx(xb, w, aux, group)
+          : kind == kI8G   ? (bf16_tiles_native() ? linear_i8g_amx(xb, w, aux, group)
                                            : linear_i8g_rows(xb, w, aux, group))
           : w.dim() == 4 ? linear_i8_rows(xb, w, aux)  // codes in blocks of 16 rows
                          : at::_weight_int8pack_mm(xb, w, aux);

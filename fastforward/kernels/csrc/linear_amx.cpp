@@ -22,6 +22,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
 
 #include "amx.h"
 #include "parallel.h"
@@ -318,46 +320,6 @@ at::Tensor a_tiles(const at::Tensor& x2, int64_t Kp) {
   return padded;
 }
 
-// The 4-bit codes of one block of 16 output features (linear_q4's layout: K/4 quads of 32
-// bytes; byte 2i of a quad holds feature i's inputs 4p (low nibble) and 4p + 2, byte 2i + 1
-// inputs 4p + 1 and 4p + 3), expanded to the block's bf16 B tiles as pack_amx_weight lays them
-// out: w = table[code] * scale + zero, rounded once to bf16. A quad's low nibbles are tile row
-// 2p (inputs 4p, 4p + 1 of the 16 features, side by side) and its high nibbles row 2p + 1, so
-// the codes need no shuffling: each byte widens to a 32-bit lane, whose low four bits index
-// the table (vpermps), and two lanes per feature take its scale and zero.
-// sz: the block's [G][C][16] bf16 scales (C = 2: then zeros); dst: kc tiles.
-void expand_q4_block(const uint8_t* codes, int64_t quads, const uint16_t* sz, int C,
-                     int64_t quads_per_group, __m512 table, int64_t kc, uint16_t* dst) {
-  const __m512i lo8 = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i hi8 = _mm512_add_epi32(lo8, _mm512_set1_epi32(8));
-  __m512 z0 = _mm512_setzero_ps(), z1 = z0;
-  for (int64_t q0 = 0; q0 < quads; q0 += quads_per_group) {
-    const uint16_t* st = sz + q0 / quads_per_group * C * TN;  // the group's scales (and zeros),
-    const __m512 s = load_bf16(st);                          // two lanes per feature
-    const __m512 s0 = _mm512_permutexvar_ps(lo8, s), s1 = _mm512_permutexvar_ps(hi8, s);
-    if (C == 2) {
-      const __m512 z = load_bf16(st + TN);
-      z0 = _mm512_permutexvar_ps(lo8, z);
-      z1 = _mm512_permutexvar_ps(hi8, z);
-    }
-    for (int64_t q = q0; q < q0 + quads_per_group; ++q) {
-      const auto* qb = reinterpret_cast<const __m128i*>(codes + q * 32);
-      const __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(qb));      // features 0-7
-      const __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(qb + 1));  // 8-15
-      const __m512 l0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(d0, table), s0, z0);
-      const __m512 l1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(d1, table), s1, z1);
-      const __m512 h0 =
-          _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d0, 4), table), s0, z0);
-      const __m512 h1 =
-          _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d1, 4), table), s1, z1);
-      uint16_t* row = dst + q / 8 * TILE + q % 8 * 2 * 2 * TN;
-      _mm512_storeu_si512(row, (__m512i)_mm512_cvtne2ps_pbh(l1, l0));
-      _mm512_storeu_si512(row + 2 * TN, (__m512i)_mm512_cvtne2ps_pbh(h1, h0));
-    }
-  }
-  // K past the codes, up to the last tile's 32: zero rows (the A tiles' padding is zero too)
-  std::memset(dst + quads * 2 * 2 * TN, 0, (kc * TILE - quads * 2 * 2 * TN) * 2);
-}
 #endif
 
 }  // namespace
@@ -516,42 +478,49 @@ bool bf16_tiles_native() {
 #endif
 }
 
-#ifdef FF_AMX
+#ifdef FF_BF16_DP
 namespace {
 
-// y [M, nb * 16] (bf16) = x2 [M, K] @ W^T for a weight stored in some compact form, expanded a
-// block of 16 output features at a time by expand(b, dst) into dst's kc bf16 B tiles (the
-// layout pack_amx_weight writes). Each thread expands its blocks into a buffer that stays in
-// cache and multiplies every row by it: the expansion is paid once per call, not once per row.
-template <typename Expand>
-at::Tensor expanded_linear(const at::Tensor& x2, int64_t nb, Expand&& expand) {
-  const int64_t K = x2.size(1), kc = (K + TK - 1) / TK, Kp = kc * TK, N = nb * TN;
-  const int64_t M = x2.size(0), Mp = (M + TM - 1) / TM * TM;
-  auto y = at::empty({M, N}, x2.options().dtype(at::kBFloat16));
-  if (M == 0) return y;
-  const at::Tensor a = a_tiles(x2, Kp);
-  const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  // Up to 64 rows a pair of blocks is expanded and used at once (in L1); more rows take
-  // groups of blocks that stay in L2 while every 64 rows pass, as in linear_amx.
-  const int64_t group =
-      Mp <= MC * TM ? 2 : std::max<int64_t>(2, GROUP_BYTES / (kc * TILE * 2)) / 2 * 2;
-  at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    const int64_t b0 = 2 * p0, b1 = std::min(nb, 2 * p1);
-    std::vector<uint16_t> buf(std::min(group, b1 - b0) * kc * TILE);
-    configure_tiles();
-    for (int64_t g0 = b0; g0 < b1; g0 += group) {
-      const int64_t g1 = std::min(b1, g0 + group);
-      for (int64_t b = g0; b < g1; ++b) expand(b, buf.data() + (b - g0) * kc * TILE);
-      for (int64_t m0 = 0; m0 < Mp; m0 += MC * TM)
-        pass(ap, Kp, m0, std::min(MC, (Mp - m0) / TM), M, buf.data(), kc, g0, g1, nullptr, N,
-             yp);
+// The 4-bit codes of one block of 16 output features (linear_q4's layout: K/4 quads of 32
+// bytes; byte 2i of a quad holds feature i's inputs 4p (low nibble) and 4p + 2, byte 2i + 1
+// inputs 4p + 1 and 4p + 3), expanded to the block's bf16 B tiles as pack_amx_weight lays them
+// out: w = table[code] * scale + zero, rounded once to bf16. A quad's low nibbles are tile row
+// 2p (inputs 4p, 4p + 1 of the 16 features, side by side) and its high nibbles row 2p + 1, so
+// the codes need no shuffling: each byte widens to a 32-bit lane, whose low four bits index
+// the table (vpermps), and two lanes per feature take its scale and zero.
+// sz: the block's [G][C][16] bf16 scales (C = 2: then zeros); dst: kc tiles.
+void expand_q4_block(const uint8_t* codes, int64_t quads, const uint16_t* sz, int C,
+                     int64_t quads_per_group, __m512 table, int64_t kc, uint16_t* dst) {
+  const __m512i lo8 = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi8 = _mm512_add_epi32(lo8, _mm512_set1_epi32(8));
+  __m512 z0 = _mm512_setzero_ps(), z1 = z0;
+  for (int64_t q0 = 0; q0 < quads; q0 += quads_per_group) {
+    const uint16_t* st = sz + q0 / quads_per_group * C * TN;  // the group's scales (and zeros),
+    const __m512 s = load_bf16(st);                          // two lanes per feature
+    const __m512 s0 = _mm512_permutexvar_ps(lo8, s), s1 = _mm512_permutexvar_ps(hi8, s);
+    if (C == 2) {
+      const __m512 z = load_bf16(st + TN);
+      z0 = _mm512_permutexvar_ps(lo8, z);
+      z1 = _mm512_permutexvar_ps(hi8, z);
     }
-    _tile_release();
-  });
-  return y;
+    for (int64_t q = q0; q < q0 + quads_per_group; ++q) {
+      const auto* qb = reinterpret_cast<const __m128i*>(codes + q * 32);
+      const __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(qb));      // features 0-7
+      const __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(qb + 1));  // 8-15
+      const __m512 l0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(d0, table), s0, z0);
+      const __m512 l1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(d1, table), s1, z1);
+      const __m512 h0 =
+          _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d0, 4), table), s0, z0);
+      const __m512 h1 =
+          _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d1, 4), table), s1, z1);
+      uint16_t* row = dst + q / 8 * TILE + q % 8 * 2 * 2 * TN;
+      _mm512_storeu_si512(row, (__m512i)_mm512_cvtne2ps_pbh(l1, l0));
+      _mm512_storeu_si512(row + 2 * TN, (__m512i)_mm512_cvtne2ps_pbh(h1, h0));
+    }
+  }
+  // K past the codes, up to the last tile's 32: zero rows (the A tiles' padding is zero too)
+  std::memset(dst + quads * 2 * 2 * TN, 0, (kc * TILE - quads * 2 * 2 * TN) * 2);
 }
-
 // One block of 16 output features of int8 codes with a float32 scale per group of inputs
 // (linear_i8g_amx's layout: K/2 pairs of 32 bytes, byte 2i + h of pair p = feature i's input
 // 2p + h, which is already a B tile row), expanded to bf16 B tiles: w = code * scale, rounded
@@ -575,6 +544,73 @@ void expand_i8_block(const int8_t* codes, int64_t pairs, const float* sc,
   std::memset(dst + pairs * 2 * TN, 0, (kc * TILE - pairs * 2 * TN) * 2);  // K's padding
 }
 
+// y [M, nb * 16] (bf16) = x2 [M, K] @ W^T for a weight stored in some compact form, expanded a
+// block of 16 output features at a time by expand(b, dst) into dst's kc bf16 B tiles (the
+// layout pack_amx_weight writes). Each thread expands its blocks into a buffer that stays in
+// cache and multiplies every row by it: the expansion is paid once per call, not once per row.
+// On AMX tiles where the CPU allows them; else (AVX512-BF16 alone: the Zen 4 and Zen 5 EPYCs)
+// through dp_rows' register block, a group of kDpBlocks blocks expanded at a time and every
+// row multiplied by it, kDpRows at a time, as linear_amx multiplies a bf16 weight there.
+template <typename Expand>
+at::Tensor expanded_linear(const at::Tensor& x2, int64_t nb, Expand&& expand) {
+  const int64_t K = x2.size(1), kc = (K + TK - 1) / TK, Kp = kc * TK, N = nb * TN;
+  const int64_t M = x2.size(0), Mp = (M + TM - 1) / TM * TM;
+  auto y = at::empty({M, N}, x2.options().dtype(at::kBFloat16));
+  if (M == 0) return y;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+#ifdef FF_AMX
+  if (amx::permitted()) {
+    const at::Tensor a = a_tiles(x2, Kp);
+    const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
+    // Up to 64 rows a pair of blocks is expanded and used at once (in L1); more rows take
+    // groups of blocks that stay in L2 while every 64 rows pass, as in linear_amx.
+    const int64_t group =
+        Mp <= MC * TM ? 2 : std::max<int64_t>(2, GROUP_BYTES / (kc * TILE * 2)) / 2 * 2;
+    at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      const int64_t b0 = 2 * p0, b1 = std::min(nb, 2 * p1);
+      std::vector<uint16_t> buf(std::min(group, b1 - b0) * kc * TILE);
+      configure_tiles();
+      for (int64_t g0 = b0; g0 < b1; g0 += group) {
+        const int64_t g1 = std::min(b1, g0 + group);
+        for (int64_t b = g0; b < g1; ++b) expand(b, buf.data() + (b - g0) * kc * TILE);
+        for (int64_t m0 = 0; m0 < Mp; m0 += MC * TM)
+          pass(ap, Kp, m0, std::min(MC, (Mp - m0) / TM), M, buf.data(), kc, g0, g1, nullptr, N,
+               yp);
+      }
+      _tile_release();
+    });
+    return y;
+  }
+#endif
+  (void)Kp, (void)Mp;
+  at::Tensor xb = x2.to(at::kBFloat16).contiguous();
+  const int64_t ldx = (K + 1) / 2 * 2;  // K pairs side by side, an odd K padded with a zero
+  if (ldx != K) xb = at::constant_pad_nd(xb, {0, ldx - K});
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  constexpr int MR = kDpRows, NB = kDpBlocks;
+  const int64_t pairs = ldx / 2, bstride = kc * TILE, groups = (nb + NB - 1) / NB;
+  steal_for(groups, groups, 1, [&](int64_t g0, int64_t g1) {
+    thread_local std::vector<uint16_t> buf;
+    buf.resize(NB * bstride);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b0 = g * NB, nbk = std::min<int64_t>(NB, nb - b0);
+      for (int64_t u = 0; u < nbk; ++u) expand(b0 + u, buf.data() + u * bstride);
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int r = int(std::min<int64_t>(MR, M - m0));
+        if (nbk == NB) {
+          dp_rows_nb<MR, NB>(r, xp + m0 * ldx, ldx, buf.data(), bstride, pairs, b0, nullptr, N,
+                             yp + m0 * N, nullptr, 0);
+        } else {
+          for (int64_t u = 0; u < nbk; ++u)
+            dp_rows_nb<MR, 1>(r, xp + m0 * ldx, ldx, buf.data() + u * bstride, bstride, pairs,
+                              b0 + u, nullptr, N, yp + m0 * N, nullptr, 0);
+        }
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 #endif
 
@@ -584,8 +620,7 @@ void expand_i8_block(const int8_t* codes, int64_t pairs, const float* sc,
 // in fp32.
 at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                          const at::Tensor& table, int64_t group_size) {
-#ifdef FF_AMX
-  TORCH_CHECK(amx::permitted(), "linear_q4_amx: the CPU or the kernel does not allow AMX");
+#ifdef FF_BF16_DP
   check_linear_q4(x, wq, sz, table, group_size);
   const int64_t nb = wq.size(0), quads = wq.size(1), K = quads * 4;
   const int64_t kc = (K + TK - 1) / TK, C = sz.size(2), G = K / group_size;
@@ -601,7 +636,7 @@ at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Te
   return y.view(sizes);
 #else
   (void)x, (void)wq, (void)sz, (void)table, (void)group_size;
-  TORCH_CHECK(false, "linear_q4_amx: built without AMX");
+  TORCH_CHECK(false, "linear_q4_amx: built without AVX512-BF16");
 #endif
 }
 
@@ -613,8 +648,7 @@ at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Te
 // the weight) where the CPU has AVX512-VNNI.
 at::Tensor linear_i8g_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           int64_t group_size) {
-#ifdef FF_AMX
-  TORCH_CHECK(amx::permitted(), "linear_i8g_amx: the CPU or the kernel does not allow AMX");
+#ifdef FF_BF16_DP
   check_i8g(x, codes, scales, group_size);
   const int64_t nb = codes.size(0), pairs = codes.size(1), K = pairs * 2;
   const int64_t G = K / group_size, kc = (K + TK - 1) / TK;
@@ -630,7 +664,7 @@ at::Tensor linear_i8g_amx(const at::Tensor& x, const at::Tensor& codes, const at
   return y.view(sizes);
 #else
   (void)x, (void)codes, (void)scales, (void)group_size;
-  TORCH_CHECK(false, "linear_i8g_amx: built without AMX");
+  TORCH_CHECK(false, "linear_i8g_amx: built without AVX512-BF16");
 #endif
 }
 

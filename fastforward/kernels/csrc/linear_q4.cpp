@@ -43,6 +43,14 @@ namespace ff {
 // 11.6 against 11.3, 16 rows 13.9 against 8.5); a codebook's bf16 lookups up to 4.
 constexpr int64_t kQ4AmxRowsMin = 5;
 constexpr int64_t kQ4Int4AmxRowsMin = 9;
+// Without AMX (AVX512-BF16 alone: the Zen 4 and Zen 5 EPYCs) linear_q4_amx expands the codes
+// the same way and multiplies on vdpbf16ps (dp_rows' register block). SmolLM2's 120 layer
+// matrices from memory on the Zen 4 EPYC, 2 threads, ms, this kernel against the expansion:
+// int4 12 rows 18.3 / 18.7, 16 rows 23.6 / 22.5, 64 rows 87.3 / 67.2, 256 rows 315 / 222;
+// a codebook 16 rows 13.6 / 15.3, 32 rows 22.9 / 21.9, 64 rows 47.3 / 38.7, 256 rows 190 /
+// 134 (a throwaway timing script).
+constexpr int64_t kQ4DpRowsMin = 32;
+constexpr int64_t kQ4Int4DpRowsMin = 16;
 
 // Codebook tables need AVX512-BF16 (FF_Q4); the int4 table only AVX512-VNNI (FF_Q4_INT).
 #if defined(__AVX512BF16__) && defined(FF_INT16_ROWS)
@@ -229,7 +237,8 @@ Q4Table q4_table(const at::Tensor& table) {
 }
 
 bool linear_q4_takes_amx(int64_t rows, const Q4Table& t) {
-  return rows >= (t.int4 ? kQ4Int4AmxRowsMin : kQ4AmxRowsMin) && amx_native();
+  if (amx_native()) return rows >= (t.int4 ? kQ4Int4AmxRowsMin : kQ4AmxRowsMin);
+  return bf16_tiles_native() && rows >= (t.int4 ? kQ4Int4DpRowsMin : kQ4DpRowsMin);
 }
 
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
