@@ -291,7 +291,7 @@ def test_linear_q4_int4_rows_with_an_outlier(m):
 # csrc/linear_q4.cpp: from these rows linear_q4 hands a batch to linear_q4_amx (AMX tiles, or
 # vdpbf16ps on a CPU with AVX512-BF16 alone)
 Q4_AMX_ROWS_MIN = {"int4": 9, "centroids": 5}
-Q4_DP_ROWS_MIN = {"int4": 16, "centroids": 32}
+Q4_DP_ROWS_MIN = {"int4": 16, "centroids": 16}
 
 
 @needs_int4
@@ -409,6 +409,10 @@ def test_linear_q4_amx_matches_bf16_weight(m, n, k, group, zeros, levels):
     amx = kernels.ops().amx_native()
     if m >= (Q4_AMX_ROWS_MIN if amx else Q4_DP_ROWS_MIN)[levels]:
         assert torch.equal(ops.linear_q4(x, packed, sz, table, group), y)
+    _skip_without_table_kernel(levels)  # linear_q4's own kernel at any batch: the unrounded weight
+    rows = ops.linear_q4_rows(x, packed, sz, table, group).double()
+    exact = x.double() @ w.t()
+    torch.testing.assert_close(rows, exact, rtol=2**-8, atol=1e-4 * exact.abs().max())
 
 
 I8G_ROWS_MAX = 16  # csrc/ops.h kI8gRowsMax

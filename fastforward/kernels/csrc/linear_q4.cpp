@@ -45,11 +45,14 @@ constexpr int64_t kQ4AmxRowsMin = 5;
 constexpr int64_t kQ4Int4AmxRowsMin = 9;
 // Without AMX (AVX512-BF16 alone: the Zen 4 and Zen 5 EPYCs) linear_q4_amx expands the codes
 // the same way and multiplies on vdpbf16ps (dp_rows' register block). SmolLM2's 120 layer
-// matrices from memory on the Zen 4 EPYC, 2 threads, ms, this kernel against the expansion:
-// int4 12 rows 18.3 / 18.7, 16 rows 23.6 / 22.5, 64 rows 87.3 / 67.2, 256 rows 315 / 222;
-// a codebook 16 rows 13.6 / 15.3, 32 rows 22.9 / 21.9, 64 rows 47.3 / 38.7, 256 rows 190 /
-// 134 (a throwaway timing script).
-constexpr int64_t kQ4DpRowsMin = 32;
+// matrices from memory on the Zen 4 EPYC, 2 threads, ms, this kernel against the expansion
+// (`python benchmarks/bench_matmul.py --paths int4-rows int4-tiles codebook-rows
+// codebook-tiles`, two runs): int4 8 rows 12.4 / 11.6 and 9.5 / 12.0, 12 rows 16.6 / 11.7 and
+// 12.9 / 13.6, 16 rows 20.6 / 14.7 and 16.6 / 14.7, 32 rows 33.7 / 22.8 and 30.0 / 22.2; a
+// codebook 8 rows 10.7 / 10.5 and 10.3 / 10.1, 12 rows 14.9 / 11.9 and 15.2 / 13.1, 16 rows
+// 18.8 / 14.9 and 18.3 / 14.4 (an earlier, slower hour of this VM put the codebook's
+// crossover near 32 rows: 16 rows 13.6 / 15.3, 32 rows 22.9 / 21.9).
+constexpr int64_t kQ4DpRowsMin = 16;
 constexpr int64_t kQ4Int4DpRowsMin = 16;
 
 // Codebook tables need AVX512-BF16 (FF_Q4); the int4 table only AVX512-VNNI (FF_Q4_INT).
@@ -241,6 +244,21 @@ bool linear_q4_takes_amx(int64_t rows, const Q4Table& t) {
   return bf16_tiles_native() && rows >= (t.int4 ? kQ4Int4DpRowsMin : kQ4DpRowsMin);
 }
 
+namespace {
+
+at::Tensor q4_rows(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
+                   const Q4Table& t, int64_t group_size) {
+  const int64_t K = x.size(-1);
+  auto xc = x.reshape({-1, K}).contiguous();
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = wq.size(0) * 16;
+  auto y = at::empty({xc.size(0), out_sizes.back()}, x.options());
+  linear_q4_out(xc, wq, sz, t, group_size, y);
+  return y.view(out_sizes);
+}
+
+}  // namespace
+
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                      const at::Tensor& table, int64_t group_size) {
   check_linear_q4(x, wq, sz, table, group_size);
@@ -248,12 +266,15 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
   const Q4Table t = q4_table(table);
   if (linear_q4_takes_amx(x.numel() / std::max<int64_t>(K, 1), t))
     return linear_q4_amx(x, wq, sz, table, group_size);
-  auto xc = x.reshape({-1, K}).contiguous();
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = wq.size(0) * 16;
-  auto y = at::empty({xc.size(0), out_sizes.back()}, x.options());
-  linear_q4_out(xc, wq, sz, t, group_size, y);
-  return y.view(out_sizes);
+  return q4_rows(x, wq, sz, t, group_size);
+}
+
+// linear_q4's own kernel at every batch, never handed to linear_q4_amx (the crossover's other
+// side, for benchmarks/bench_matmul.py and the tests).
+at::Tensor linear_q4_rows(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
+                          const at::Tensor& table, int64_t group_size) {
+  check_linear_q4(x, wq, sz, table, group_size);
+  return q4_rows(x, wq, sz, q4_table(table), group_size);
 }
 
 // linear_q4's work, the shapes checked (check_linear_q4) and the table read once (q4_table) by

@@ -25,6 +25,8 @@ TORCH_LIBRARY(fastforward, m) {
         &ff::linear_q4);
   m.def("linear_q4_amx(Tensor x, Tensor wq, Tensor sz, Tensor table, int group_size) -> Tensor",
         &ff::linear_q4_amx);
+  m.def("linear_q4_rows(Tensor x, Tensor wq, Tensor sz, Tensor table, int group_size) -> Tensor",
+        &ff::linear_q4_rows);
   m.def("prefill_attention_amx_native(int head_dim) -> bool", &ff::prefill_attention_amx_native);
   m.def("prefill_attention_amx(Tensor q, Tensor k, Tensor v, float scale) -> Tensor",
         &ff::prefill_attention_amx);

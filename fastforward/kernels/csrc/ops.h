@@ -64,6 +64,8 @@ void linear_q4_out(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
                    const Q4Table& t, int64_t group_size, at::Tensor& y);
 at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
                          const at::Tensor& table, int64_t group_size);
+at::Tensor linear_q4_rows(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
+                          const at::Tensor& table, int64_t group_size);
 bool prefill_attention_amx_native(int64_t head_dim);
 bool prefill_attention_f32_native(int64_t head_dim);
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
