@@ -18,8 +18,8 @@ time (a closed loop: a client sends its next request when its last one ends) or,
 at Poisson arrival times (exponential gaps of mean 1/rate; ``inf`` sends them all at once).
 Prompts are paragraphs of a real text on this machine (``--text``, by default the GPL-3 text in
 /usr/share/common-licenses, else Python's LICENSE.txt), cut to between half and all of
-``--prompt-words`` words. Decoding is greedy and runs exactly ``--output-tokens`` tokens: EOS is
-ignored (fastforward: ``ignore_eos``; llama.cpp: a ``logit_bias`` of -100 on every
+``--prompt-words`` words. Decoding is greedy (or sampled: ``--temperature``, ``--top-p``) and
+runs exactly ``--output-tokens`` tokens: EOS is ignored (fastforward: ``ignore_eos``; llama.cpp: a ``logit_bias`` of -100 on every
 end-of-generation token). Every server gets the same prompts in the same order, after
 ``--warmup`` requests that are not counted.
 
@@ -452,6 +452,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--text", type=Path, default=None, help="text to cut prompts from")
     load.add_argument("--warmup", type=int, default=2, help="uncounted requests first")
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    load.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--out", type=Path, default=RESULTS / "bench_serving.json")
     args = p.parse_args(argv)
     if args.concurrency is None and args.rate is None:
@@ -469,6 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     def bench(backend: Backend) -> None:
         mode = f"concurrency {args.concurrency}" if args.rate is None else f"rate {args.rate}/s"
         print(f"== {backend.name}: {len(prompts)} requests, {mode}, {args.output_tokens} tokens")
+        backend.body_extra = {
+            **backend.body_extra,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+        }
         if warm:
             asyncio.run(run_load(backend, warm, args.output_tokens, 1, None, args.seed))
         load_before = os.getloadavg()
