@@ -203,7 +203,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Each row's token for its uniform ``u`` [R] (float64, in [0, 1)) from ``probs`` [R, V]:
     the first index whose running sum (float64) passes ``u`` x the row's total, so a token of
     probability 0 is never taken; -1 where the total is not finite and positive. The plain
-    torch twin of the C++ ``sample_inverse_cdf`` (any device)."""
+    torch twin (any device) of the C++ ``sample_logits``, which takes the logits."""
     cum = probs.cumsum(dim=-1, dtype=torch.float64)  # [R, V]
     total = cum[:, -1]  # [R]
     picked = torch.searchsorted(cum, (u * total).unsqueeze(1), right=True).squeeze(1)
@@ -293,13 +293,7 @@ def apply_penalties_dense(logits: torch.Tensor, requests: list[Request]) -> None
     logits divided, negative multiplied), then ``logit -= freq * count + presence * (count > 0)``
     over output tokens. Only rows with a non-neutral penalty are touched. Dense [rows, vocab]
     counts: the reference :func:`apply_penalties` is tested against."""
-    rows = [
-        i
-        for i, r in enumerate(requests)
-        if r.sampling_params.repetition_penalty != 1.0
-        or r.sampling_params.frequency_penalty != 0.0
-        or r.sampling_params.presence_penalty != 0.0
-    ]
+    rows = _penalized_rows(requests)
     if not rows:
         return
     device = logits.device
