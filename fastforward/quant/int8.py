@@ -60,8 +60,7 @@ class Int8Linear(QuantizedLinear):
         self.codes = to_blocks(self.codes)
         self.native = True
         self.native_rows_max = few_row_kernel_limit(type(self).native_rows_max)
-        ops = kernels.ops()
-        if ops.amx_native() or ops.bf16_tiles_native():
+        if kernels.ops().bf16_tiles_native():  # AMX builds have them too
             # larger batches: linear_i8g_amx with one group of K inputs (a scale per output
             # row), the codes times the scale expanded to bf16 tiles once per call; before,
             # the codes went back to [N, K] and through a bf16 matmul every call (SmolLM2
@@ -130,7 +129,9 @@ class Int8GroupLinear(QuantizedLinear):
         exact = torch.equal(half.float(), scales.float())
         self.scale_dtype = torch.float16 if exact else torch.float32  # what checkpoints store
         self.native = False  # codes and scales in linear_i8g_amx's (and _rows') layout
-        self.amx = False  # native on AMX tiles (every batch); else linear_i8g_rows (few rows)
+        # native: linear_i8g_amx at every batch where the kernels multiply bf16 tiles (AMX,
+        # or vdpbf16ps), else linear_i8g_rows (few rows)
+        self.tiles = False
         g = self.group_size
         # group-major [B, N, g] so each group's codes are one contiguous matrix for bmm
         self.register_buffer("codes", codes.view(n, k // g, g).transpose(0, 1).contiguous())
@@ -158,10 +159,9 @@ class Int8GroupLinear(QuantizedLinear):
         self.scales = scales.float().view(n // 16, 16, -1).transpose(1, 2).contiguous()
         self._ones = None
         self.native = True
-        # linear_i8g_amx: on AMX tiles, or on vdpbf16ps where the CPU has AVX512-BF16 alone
-        self.amx = bool(ops.amx_native() or ops.bf16_tiles_native())
+        self.tiles = bool(ops.bf16_tiles_native())  # AMX builds have them too
         rows = type(self).native_rows_max
-        self.native_rows_max = EVERY_BATCH if self.amx else few_row_kernel_limit(rows)
+        self.native_rows_max = EVERY_BATCH if self.tiles else few_row_kernel_limit(rows)
 
     @property
     def kernel_rows_max(self) -> int:
@@ -184,7 +184,7 @@ class Int8GroupLinear(QuantizedLinear):
             return F.linear(x, self.dense_bf16())
         if self.native:
             op = torch.ops.fastforward
-            kernel = op.linear_i8g_amx if self.amx else op.linear_i8g_rows
+            kernel = op.linear_i8g_amx if self.tiles else op.linear_i8g_rows
             return kernel(x, self.codes, self.scales, self.group_size)
         b, g = self.codes.shape[0], self.group_size
         if b <= _MAX_KERNEL_CALLS:

@@ -29,8 +29,7 @@ def kernel_rows_max(without_amx: int) -> int:
     from fastforward import kernels
     from fastforward.quant.base import EVERY_BATCH, few_row_kernel_limit
 
-    ops = kernels.ops()
-    if ops.amx_native() or ops.bf16_tiles_native():
+    if kernels.ops().bf16_tiles_native():  # AMX builds have them too
         return EVERY_BATCH
     return few_row_kernel_limit(without_amx)
 

@@ -254,6 +254,39 @@ void dp_rows_nb(int r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_
   TORCH_CHECK(false, "bad row block ", r);
 }
 
+// Rows [m0, m1) of y for the nbk (<= kDpBlocks) blocks of w from block b0 (bstride elements
+// apart), kDpRows at a time: a whole group in one register block, a short one block by block.
+// pf_lines lines from pf (the weight multiplied next) are prefetched spread over the row
+// blocks of a whole group.
+template <typename OT>
+void dp_group(const uint16_t* x, int64_t ldx, int64_t m0, int64_t m1, const uint16_t* w,
+              int64_t bstride, int64_t pairs, int64_t b0, int64_t nbk, const float* bias,
+              int64_t N, OT* y, const char* pf, int64_t pf_lines) {
+  constexpr int MR = kDpRows, NB = kDpBlocks;
+  const int64_t row_blocks = (m1 - m0 + MR - 1) / MR;
+  for (int64_t rb = 0; rb < row_blocks; ++rb) {
+    const int64_t m = m0 + rb * MR;
+    const int r = int(std::min<int64_t>(MR, m1 - m));
+    if (nbk == NB) {
+      const int64_t l0 = pf_lines * rb / row_blocks, l1 = pf_lines * (rb + 1) / row_blocks;
+      dp_rows_nb<MR, NB>(r, x + m * ldx, ldx, w, bstride, pairs, b0, bias, N, y + m * N,
+                         pf + l0 * 64, l1 - l0);
+    } else {
+      for (int64_t u = 0; u < nbk; ++u)
+        dp_rows_nb<MR, 1>(r, x + m * ldx, ldx, w + u * bstride, bstride, pairs, b0 + u, bias, N,
+                          y + m * N, nullptr, 0);
+    }
+  }
+}
+
+// x2 [M, K] as dp_rows reads it: bf16, contiguous, K pairs side by side (an odd K padded with a
+// zero; to pad_to where given, as one_row's whole tiles want).
+at::Tensor dp_pairs(const at::Tensor& x2, int64_t pad_to = 0) {
+  const int64_t K = x2.size(1), ldx = pad_to ? pad_to : (K + 1) / 2 * 2;
+  at::Tensor xb = x2.to(at::kBFloat16).contiguous();
+  return ldx == K ? xb : at::constant_pad_nd(xb, {0, ldx - K});
+}
+
 // y [M, N] = x [M, ldx] (K pairs side by side, K padded to even) @ W^T on the tiles: threads
 // over (group of kDpBlocks blocks, chunk of rows), each going down its rows kDpRows at a time
 // over the group's weight, which stays in L2 between them.
@@ -277,29 +310,14 @@ void dp_rows(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp, int6
       // a chunk of rows goes over every group in turn (its x stays in L2)
       const int64_t c = i / groups, g = i % groups;
       const int64_t b0 = g * NB, nbk = std::min<int64_t>(NB, nb - b0);
-      const uint16_t* w = wp + b0 * bstride;
       // the weight of the item this thread takes next (its blocks follow each other),
       // prefetched into L2 over this item's row blocks
-      const int64_t m_end = std::min(M, (c + 1) * chunk);
-      const int64_t nblocks_rows = (m_end - c * chunk + MR - 1) / MR;
-      const int64_t gn = (i + 1) % groups, bn = gn * NB;
-      const bool pf_on = i + 1 < items;
-      const int64_t pf_lines = pf_on ? std::min<int64_t>(NB, nb - bn) * bstride * 2 / 64 : 0;
-      const char* pf_base = reinterpret_cast<const char*>(wp + bn * bstride);
-      int64_t rb = 0;
-      for (int64_t m0 = c * chunk; m0 < m_end; m0 += MR, ++rb) {
-        const int r = int(std::min<int64_t>(MR, M - m0));
-        const int64_t l0 = pf_lines * rb / nblocks_rows, l1 = pf_lines * (rb + 1) / nblocks_rows;
-        const char* pf = pf_base + l0 * 64;
-        if (nbk == NB) {
-          dp_rows_nb<MR, NB>(r, x + m0 * ldx, ldx, w, bstride, pairs, b0, bias, N, y + m0 * N,
-                             pf, l1 - l0);
-        } else {
-          for (int64_t u = 0; u < nbk; ++u)
-            dp_rows_nb<MR, 1>(r, x + m0 * ldx, ldx, w + u * bstride, bstride, pairs, b0 + u,
-                              bias, N, y + m0 * N, nullptr, 0);
-        }
-      }
+      const int64_t bn = (i + 1) % groups * NB;
+      const int64_t pf_lines =
+          i + 1 < items ? std::min<int64_t>(NB, nb - bn) * bstride * 2 / 64 : 0;
+      dp_group(x, ldx, c * chunk, std::min(M, (c + 1) * chunk), wp + b0 * bstride, bstride,
+               pairs, b0, nbk, bias, N, y, reinterpret_cast<const char*>(wp + bn * bstride),
+               pf_lines);
     }
   };
   // each thread down its own range of items (so the one it prefetches is the one it takes
@@ -421,11 +439,9 @@ void linear_amx_out(const at::Tensor& x, const at::Tensor& wpacked, int64_t N,
   constexpr bool tiles = false;
 #endif
   if (!tiles) {
-    // x's K pairs side by side: bf16, contiguous, K padded with zeros (to the tiles' Kp for a
-    // single row, whose loop runs over whole tiles; to an even K for more)
-    at::Tensor xb = x2.to(at::kBFloat16).contiguous();
-    const int64_t ldx = M == 1 ? Kp : (K + 1) / 2 * 2;
-    if (ldx != K) xb = at::constant_pad_nd(xb, {0, ldx - K});
+    // a single row's loop runs over whole tiles: K padded to the tiles' Kp
+    const at::Tensor xb = dp_pairs(x2, M == 1 ? Kp : 0);
+    const int64_t ldx = xb.size(1);
     const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
     if (M == 1) {
       // each thread from the front of its half, then the other's last blocks (a thread woken
@@ -553,13 +569,13 @@ void expand_i8_block(const int8_t* codes, int64_t pairs, const float* sc,
 // row multiplied by it, kDpRows at a time, as linear_amx multiplies a bf16 weight there.
 template <typename Expand>
 at::Tensor expanded_linear(const at::Tensor& x2, int64_t nb, Expand&& expand) {
-  const int64_t K = x2.size(1), kc = (K + TK - 1) / TK, Kp = kc * TK, N = nb * TN;
-  const int64_t M = x2.size(0), Mp = (M + TM - 1) / TM * TM;
+  const int64_t K = x2.size(1), kc = (K + TK - 1) / TK, N = nb * TN, M = x2.size(0);
   auto y = at::empty({M, N}, x2.options().dtype(at::kBFloat16));
   if (M == 0) return y;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
 #ifdef FF_AMX
   if (amx::permitted()) {
+    const int64_t Kp = kc * TK, Mp = (M + TM - 1) / TM * TM;
     const at::Tensor a = a_tiles(x2, Kp);
     const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
     // Up to 64 rows a pair of blocks is expanded and used at once (in L1); more rows take
@@ -582,30 +598,18 @@ at::Tensor expanded_linear(const at::Tensor& x2, int64_t nb, Expand&& expand) {
     return y;
   }
 #endif
-  (void)Kp, (void)Mp;
-  at::Tensor xb = x2.to(at::kBFloat16).contiguous();
-  const int64_t ldx = (K + 1) / 2 * 2;  // K pairs side by side, an odd K padded with a zero
-  if (ldx != K) xb = at::constant_pad_nd(xb, {0, ldx - K});
+  const at::Tensor xb = dp_pairs(x2);
+  const int64_t ldx = xb.size(1), pairs = ldx / 2, bstride = kc * TILE;
   const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
-  constexpr int MR = kDpRows, NB = kDpBlocks;
-  const int64_t pairs = ldx / 2, bstride = kc * TILE, groups = (nb + NB - 1) / NB;
+  constexpr int64_t NB = kDpBlocks;
+  const int64_t groups = (nb + NB - 1) / NB;
   steal_for(groups, groups, 1, [&](int64_t g0, int64_t g1) {
     thread_local std::vector<uint16_t> buf;
     buf.resize(NB * bstride);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b0 = g * NB, nbk = std::min<int64_t>(NB, nb - b0);
       for (int64_t u = 0; u < nbk; ++u) expand(b0 + u, buf.data() + u * bstride);
-      for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int r = int(std::min<int64_t>(MR, M - m0));
-        if (nbk == NB) {
-          dp_rows_nb<MR, NB>(r, xp + m0 * ldx, ldx, buf.data(), bstride, pairs, b0, nullptr, N,
-                             yp + m0 * N, nullptr, 0);
-        } else {
-          for (int64_t u = 0; u < nbk; ++u)
-            dp_rows_nb<MR, 1>(r, xp + m0 * ldx, ldx, buf.data() + u * bstride, bstride, pairs,
-                              b0 + u, nullptr, N, yp + m0 * N, nullptr, 0);
-        }
-      }
+      dp_group(xp, ldx, 0, M, buf.data(), bstride, pairs, b0, nbk, nullptr, N, yp, nullptr, 0);
     }
   });
   return y;
@@ -614,8 +618,9 @@ at::Tensor expanded_linear(const at::Tensor& x2, int64_t nb, Expand&& expand) {
 }  // namespace
 #endif
 
-// linear_q4 on AMX tiles: y [.., N] = x [.., K] @ W^T with W in linear_q4's 4-bit layout, each
-// block's codes expanded to bf16 tiles (expand_q4_block) once per call. The weight is rounded
+// linear_q4 on bf16 tiles (AMX, or vdpbf16ps: expanded_linear): y [.., N] = x [.., K] @ W^T with
+// W in linear_q4's 4-bit layout, each block's codes expanded to bf16 tiles (expand_q4_block)
+// once per call. The weight is rounded
 // to bf16 once (as dequantizing to bf16 and calling a bf16 linear would), products accumulate
 // in fp32.
 at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& sz,
@@ -641,7 +646,7 @@ at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& wq, const at::Te
 }
 
 // y [.., N] = x [.., K] @ W^T for int8 codes with a scale per group of inputs (GGUF Q8_0, Q5_0,
-// Q6_K), on AMX tiles: codes [N/16, K/2, 16, 2] int8 (per block of 16 output features and
+// Q6_K), on bf16 tiles (AMX, or vdpbf16ps: expanded_linear): codes [N/16, K/2, 16, 2] int8 (per block of 16 output features and
 // input pair, the 16 features' two codes side by side), scales [N/16, K/group, 16] float32.
 // The weight is rounded to bf16 once, products accumulate in fp32; x bf16, y bf16. Up to
 // kI8gRowsMax rows go to linear_i8g_rows (exact integer products of int16 rows, no rounding of
