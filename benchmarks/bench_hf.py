@@ -82,8 +82,9 @@ T = TypeVar("T")
 
 @dataclass
 class Generation:
-    """What one ``generate`` call returns: the new ids per prompt, and for fastforward the
-    decode time of the first request by its own clock (first token -> finished)."""
+    """What one ``generate`` call returns: the new ids per prompt, and the decode time of the
+    first request by the engine's own clock (first token -> finished) where it tells: fastforward
+    by its request metrics, HF transformers for a single prompt by a streamer."""
 
     tokens: list[Ids]
     internal_decode_s: float | None = None
@@ -219,7 +220,11 @@ def load_fastforward(dtype: str, batch: int) -> tuple[LLM, GenerateFn]:
     return llm, generate
 
 
-def load_hf(dtype: torch.dtype, model: str = MODEL) -> GenerateFn:
+def load_hf(
+    dtype: torch.dtype, model: str = MODEL, temperature: float = 0.0, top_p: float = 1.0
+) -> GenerateFn:
+    """HF transformers' ``generate`` on ``model``: greedy, or sampled at ``temperature`` with
+    ``top_p`` (no top-k: the model's generation config would otherwise add its own)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -232,21 +237,44 @@ def load_hf(dtype: torch.dtype, model: str = MODEL) -> GenerateFn:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     model.eval()
+    sampling: dict[str, Any] = {"do_sample": False}
+    if temperature > 0:
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
 
     def generate(prompts: list[Ids], new_tokens: int) -> Generation:
         batch = tok.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+        clock = TokenClock() if len(prompts) == 1 else None  # streamers take one prompt
         with torch.inference_mode():
             out = model.generate(
                 **batch,
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
-                do_sample=False,
+                **sampling,
                 pad_token_id=tok.pad_token_id,
+                streamer=clock,
             )
         width = batch["input_ids"].shape[1]
-        return Generation([row[width:].tolist() for row in out])
+        return Generation([row[width:].tolist() for row in out], clock and clock.decode_s())
 
     return generate
+
+
+class TokenClock:
+    """A transformers streamer that notes when tokens come out: ``generate`` hands it the prompt
+    first, then each new token as it is sampled."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def decode_s(self) -> float | None:
+        """First new token -> last (None before a second new token)."""
+        return self.times[-1] - self.times[1] if len(self.times) > 2 else None
 
 
 def _silence_gguf_progress_bar() -> None:
