@@ -17,7 +17,8 @@ samplers pick one token a row, side by side in this process:
   ``log_softmax`` of the batch (this file);
 * ``ff torch``: fastforward's ``Sampler`` without the C++ kernels (top-p from candidates, one
   uniform a row through a float64 cumulative sum);
-* ``ff``: fastforward's ``Sampler`` as the engine builds it (argmax_rows and sample_logits).
+* ``ff``: fastforward's ``Sampler`` as the engine builds it (argmax_rows, sample_logits and
+  top_p_filter_).
 
 Prints ms per step for each and the reference / ff ratio, and writes
 ``benchmarks/results/bench_sampler.json``.
@@ -149,7 +150,12 @@ def main() -> None:
             x = logits[:b]
             reqs = [request(i, params) for i in range(b)]
             plain = Sampler(seed=0)
-            fast = Sampler(seed=0, argmax=ops.argmax_rows, sample_logits=ops.sample_logits)
+            fast = Sampler(
+                seed=0,
+                argmax=ops.argmax_rows,
+                sample_logits=ops.sample_logits,
+                top_p_filter=ops.top_p_filter_,
+            )
             row = {
                 "setting": name,
                 "batch": b,

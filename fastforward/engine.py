@@ -186,6 +186,7 @@ class LLMEngine:
             token_texts=texts,
             argmax=ops.argmax_rows if ops else None,
             sample_logits=ops.sample_logits if ops else None,
+            top_p_filter=ops.top_p_filter_ if ops else None,
         )
         self.verifier = DraftVerifier(self.sampler, self.grammars)
         self.proposer = self._make_proposer(self.spec_config)

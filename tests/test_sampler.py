@@ -108,11 +108,22 @@ def test_top_p_mask(top_p, expected):
     assert kept(logits) == [expected]
 
 
+def _top_p_kernel():
+    from fastforward import kernels
+
+    if not kernels.available():
+        pytest.skip("no C++ compiler for kernels")
+    return kernels.ops().top_p_filter_
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("scale", [0.05, 1.0, 4.0], ids=["flat", "mid", "peaked"])
-def test_top_p_from_candidates_matches_the_sorted_reference(scale):
-    """The fast top-p (among each row's most likely tokens, then the sorted reference for the
-    rows those do not cover) keeps the sorted reference's tokens, with and without top-k, on
-    rows from peaked (few candidates) to flat (the whole vocabulary sorted), NaN rows too."""
+def test_top_p_from_candidates_matches_the_sorted_reference(scale, kernel):
+    """The fast top-p (among each row's most likely tokens, then the C++ top_p_filter_ or the
+    sorted reference for the rows those do not cover) keeps the sorted reference's tokens, with
+    and without top-k, on rows from peaked (few candidates) to flat (the whole vocabulary
+    sorted), NaN rows too."""
+    top_p_kernel = _top_p_kernel() if kernel else None
     gen = torch.Generator().manual_seed(int(scale * 100))
     rows, vocab = 12, 6000
     logits = torch.randn(rows, vocab, generator=gen) * scale
@@ -122,7 +133,7 @@ def test_top_p_from_candidates_matches_the_sorted_reference(scale):
     top_p = torch.tensor([0.5, 0.9, 0.95, 0.99, 1.0, 0.8, 0.3, 0.9, 0.999, 0.7, 0.6, 0.95])
     for top_k in (None, torch.tensor([vocab, 5, 300, 3000] * 3)):
         fast, ref = logits.clone(), logits.clone()
-        apply_top_k_top_p(fast, top_k, top_p)
+        apply_top_k_top_p(fast, top_k, top_p, top_p_kernel)
         apply_top_k_top_p_sorted(ref, top_k, top_p)
         for r in range(rows):
             if r == 7:  # NaN row: both leave the NaN in place
@@ -130,6 +141,51 @@ def test_top_p_from_candidates_matches_the_sorted_reference(scale):
                 continue
             assert kept(fast[r : r + 1]) == kept(ref[r : r + 1]), (scale, top_k, r)
             assert torch.equal(fast[r][fast[r] > NEG_INF], ref[r][ref[r] > NEG_INF])
+
+
+def test_top_p_kernel_matches_the_sorted_reference_row_by_row():
+    """top_p_filter_ alone (no candidates before it) on rows of every shape: flat and peaked,
+    masked tokens, weights that underflow, top_p from near 0 to 1; it keeps exactly the sorted
+    reference's tokens, and the values it keeps are untouched."""
+    op = _top_p_kernel()
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(200):
+        vocab = int(torch.randint(1, 5000, (1,), generator=gen))
+        scale = float(torch.rand(1, generator=gen)) * 8
+        x = torch.randn(4, vocab, generator=gen) * scale
+        if trial % 4 == 0:
+            x[:, : vocab // 3] = NEG_INF
+        if trial % 9 == 0:
+            x[0, 0] += 150.0  # every other weight underflows to 0
+        p = torch.rand(4, generator=gen).clamp(1e-6, 1.0)
+        got, ref = x.clone(), x.clone()
+        assert op(got, p).all()
+        apply_top_k_top_p_sorted(ref, None, p)
+        assert torch.equal(got, ref), trial
+
+
+def test_top_p_kernel_ties_rows_without_mass_and_bad_input():
+    op = _top_p_kernel()
+    # four tokens of equal weight: top_p 0.5 keeps two of them, the lower indices
+    x = torch.zeros(1, 4)
+    assert op(x, torch.tensor([0.5])).all()
+    assert kept(x) == [{0, 1}]
+    # the most likely token stays however small top_p is
+    x = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
+    assert op(x, torch.tensor([1e-12])).all() and kept(x) == [{1}]
+    # rows without finite positive mass are left as they are, and said so
+    x = torch.tensor([[0.0, float("nan"), 1.0], [NEG_INF, NEG_INF, NEG_INF], [1.0, 2.0, 3.0]])
+    before = x.clone()
+    took = op(x, torch.tensor([0.5, 0.5, 0.5]))
+    assert took.tolist() == [False, False, True]
+    assert torch.equal(x[:2].isnan(), before[:2].isnan())
+    assert torch.equal(x[1], before[1])
+    with pytest.raises(RuntimeError, match="top_p must be in"):
+        op(torch.zeros(1, 3), torch.tensor([0.0]))
+    with pytest.raises(RuntimeError, match="one value per row"):
+        op(torch.zeros(2, 3), torch.tensor([0.5]))
+    with pytest.raises(RuntimeError, match="float32"):
+        op(torch.zeros(1, 3, dtype=torch.float64), torch.tensor([0.5]))
 
 
 def test_inverse_cdf_picks_by_interval_and_never_a_zero():
@@ -451,14 +507,15 @@ def test_sampled_distribution_matches_filtered(combo, seeded, kernel):
     expected = reference_distribution(LOGITS8, **combo)
     logits = torch.tensor(LOGITS8).repeat(N_DRAWS, 1)  # [N, 8]
     reqs = [make_request(str(i), seed=(i if seeded else None), **combo) for i in range(N_DRAWS)]
-    sample_logits = None
+    sample_logits = top_p_filter = None
     if kernel:
         from fastforward import kernels
 
         if not kernels.available():
             pytest.skip("no C++ compiler for kernels")
-        sample_logits = kernels.ops().sample_logits
-    tokens = [o.token_id for o in Sampler(seed=123, sample_logits=sample_logits)(logits, reqs)]
+        sample_logits, top_p_filter = kernels.ops().sample_logits, kernels.ops().top_p_filter_
+    sampler = Sampler(seed=123, sample_logits=sample_logits, top_p_filter=top_p_filter)
+    tokens = [o.token_id for o in sampler(logits, reqs)]
     freqs = _frequencies(tokens, len(LOGITS8))
     diffs = [abs(f - e) for f, e in zip(freqs, expected, strict=True)]
     assert max(diffs) < FREQ_TOL, (freqs, expected)

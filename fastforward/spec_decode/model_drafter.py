@@ -46,7 +46,8 @@ def sample_drafts(
     rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
     if rows:
         reqs = [requests[i] for i in rows]
-        q = torch.softmax(filter_logits(logits[rows].clone(), reqs), dim=-1)  # [R', V]
+        q = filter_logits(logits[rows].clone(), reqs, sampler.top_p_filter)
+        q = torch.softmax(q, dim=-1)  # [R', V]
         gens = [
             sampler.generator(r, r.num_output_tokens + step, q.device, DRAFT_SALT) for r in reqs
         ]

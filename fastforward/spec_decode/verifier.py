@@ -97,7 +97,8 @@ class DraftVerifier:
         random_rows = [i for i, row in enumerate(rows) if not row.sampling_params.is_greedy]
         probs = None
         if random_rows:
-            sub = filter_logits(logits[random_rows], [rows[i] for i in random_rows])
+            reqs = [rows[i] for i in random_rows]
+            sub = filter_logits(logits[random_rows], reqs, self.sampler.top_p_filter)
             probs = dict(zip(random_rows, torch.softmax(sub, dim=-1), strict=True))
         emitted_rows, emitted_tokens, counts = [], [], []
         for i, req in enumerate(requests):

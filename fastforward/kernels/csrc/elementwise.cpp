@@ -379,4 +379,105 @@ at::Tensor sample_logits(const at::Tensor& logits, const at::Tensor& u) {
   return out;
 }
 
+namespace {
+
+// Top-p on one row x [V] in place (keep the smallest set of most likely tokens whose mass
+// reaches p): a token is dropped when the mass of the tokens ranked no higher than it, itself
+// included, is at most (1 - p) x the row's total -- the sorted reference's test
+// (sampler.py apply_top_k_top_p_sorted), here in float64. Tokens rank by logit, equal logits
+// by index (the higher index ranks lower). Without sorting the row: each token's weight
+// exp(x - max) goes to a bin by its distance below the max (kTopPBins bins over the ~88 where
+// float32 weights are not 0; the last takes everything further), the bins' masses are summed
+// in double from the bottom up to the one where the running mass passes the limit, and only
+// that bin's tokens are sorted to find the cut inside it. Bins below it are dropped, bins above
+// kept. w and bin: buffers of V. False (x untouched) where the row's total is not a positive
+// finite number.
+constexpr int kTopPBins = 4096;
+constexpr float kTopPRange = 88.f;  // exp(-88) is under float32's smallest normal
+
+bool top_p_row(float* x, int64_t V, double p, float* w, uint16_t* bin, double* mass) {
+  float mx = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  for (int64_t i = 0; i < V; ++i) {
+    mx = std::max(mx, x[i]);
+    nan |= std::isnan(x[i]);
+  }
+  if (nan || !std::isfinite(mx)) return false;
+  int64_t i = 0;
+  for (; i + VL <= V; i += VL) store(w + i, vexp(load(x + i) - splat(mx)));
+  for (; i < V; ++i) w[i] = std::exp(x[i] - mx);
+  std::fill(mass, mass + kTopPBins, 0.0);
+  const float per = kTopPBins / kTopPRange;
+  double total = 0.0;
+  for (int64_t j = 0; j < V; ++j) {
+    const float d = (mx - x[j]) * per;  // >= 0; +inf for a masked token
+    const int b = d < float(kTopPBins - 1) ? int(d) : kTopPBins - 1;
+    bin[j] = uint16_t(b);
+    mass[b] += w[j];
+    total += w[j];
+  }
+  if (!(total > 0.0) || !std::isfinite(total)) return false;
+  const double limit = (1.0 - p) * total;
+  double acc = 0.0;  // the mass of the bins below the cut's
+  int cut = kTopPBins - 1;
+  while (cut > 0 && acc + mass[cut] <= limit) acc += mass[cut--];
+  // the cut's bin, ascending by rank: (x, -index)
+  std::vector<std::pair<float, int64_t>> in;
+  for (int64_t j = 0; j < V; ++j)
+    if (bin[j] == cut) in.emplace_back(x[j], -j);
+  std::sort(in.begin(), in.end());
+  int64_t dropped = 0;  // the first `dropped` of `in` go
+  while (dropped < int64_t(in.size()) && acc + w[-in[dropped].second] <= limit)
+    acc += w[-in[dropped++].second];
+  const std::pair<float, int64_t> last =
+      dropped ? in[dropped - 1] : std::pair<float, int64_t>(-std::numeric_limits<float>::infinity(), 0);
+  int64_t kept = 0;
+  for (int64_t j = 0; j < V; ++j) {
+    const bool drop = w[j] <= 0.f || bin[j] > cut ||
+                      (bin[j] == cut && dropped && std::make_pair(x[j], -j) <= last);
+    if (drop) x[j] = -std::numeric_limits<float>::infinity();
+    else ++kept;
+  }
+  if (kept == 0) {  // rounding at p ~ 0: the most likely token stays (its first occurrence)
+    for (int64_t j = 0; j < V; ++j)
+      if (w[j] == 1.f) {
+        x[j] = mx;
+        break;
+      }
+  }
+  return true;
+}
+
+}  // namespace
+
+// Top-p over the rows of logits [R, V] (float32, contiguous) in place, top_p [R] in (0, 1]:
+// top_p_row on each, a row a thread at a time; returns which rows it took (bool [R]). Zen 4
+// EPYC, 2 threads, top_p 0.95 over SmolLM2's 49,152 tokens: 64 rows of its logits at
+// temperature 0.8 5.4 ms, where looking among each row's 256 and 2,048 most likely tokens
+// first (the sampler's torch path) took 23.8; 64 flat rows, which that path sorts, 7.0 against
+// 188 ms.
+at::Tensor top_p_filter_(at::Tensor& logits, const at::Tensor& top_p) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "top_p_filter_: logits must be 2-D contiguous float32");
+  TORCH_CHECK(top_p.dim() == 1 && top_p.size(0) == logits.size(0),
+              "top_p_filter_: top_p must hold one value per row of logits");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "top_p_filter_: rows of 1 to 2^31 - 1 tokens");
+  const auto pc = top_p.to(at::kDouble).contiguous();
+  TORCH_CHECK(R == 0 || (pc.min().item<double>() > 0.0 && pc.max().item<double>() <= 1.0),
+              "top_p_filter_: top_p must be in (0, 1]");
+  auto done = at::zeros({R}, logits.options().dtype(at::kBool));
+  float* lp = logits.data_ptr<float>();
+  const double* pp = pc.data_ptr<double>();
+  bool* dp = done.data_ptr<bool>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> w(V);
+    std::vector<uint16_t> bin(V);
+    std::vector<double> mass(kTopPBins);
+    for (int64_t r = r0; r < r1; ++r)
+      dp[r] = top_p_row(lp + r * V, V, pp[r], w.data(), bin.data(), mass.data());
+  });
+  return done;
+}
+
 }  // namespace ff

@@ -60,6 +60,7 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("gated_act(Tensor x, bool gelu) -> Tensor", &ff::gated_act);
   m.def("argmax_rows(Tensor x) -> Tensor", &ff::argmax_rows);
   m.def("sample_logits(Tensor logits, Tensor u) -> Tensor", &ff::sample_logits);
+  m.def("top_p_filter_(Tensor(a!) logits, Tensor top_p) -> Tensor", &ff::top_p_filter_);
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table) -> ()", &ff::rope_);
   m.def(
       "write_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping, "
