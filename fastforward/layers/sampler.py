@@ -84,9 +84,9 @@ class Sampler:
         ``argmax_rows``; None takes ``max(dim=-1).indices``. ``sample_logits``: each row's
         token for its uniform from ``softmax`` of fp32 CPU logits by inverse CDF (-1: the row
         has no finite positive mass), e.g. the C++ ``sample_logits``; None takes
-        :func:`inverse_cdf` of the softmax. ``top_p_filter``: top-p in place over fp32 CPU
-        logits for rows whose most likely tokens do not hold the set, e.g. the C++
-        ``top_p_filter_`` (:func:`apply_top_k_top_p`); None sorts those rows."""
+        :func:`inverse_cdf` of the softmax. ``top_p_filter``: top-p in place over the fp32 CPU
+        logits of every top-p row, e.g. the C++ ``top_p_filter_`` (:func:`apply_top_k_top_p`);
+        None looks among each row's most likely tokens, then sorts the rows those miss."""
         self._base_seed = seed
         self.top_p_filter = top_p_filter
         self._argmax = argmax
