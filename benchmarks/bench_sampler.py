@@ -17,8 +17,8 @@ samplers pick one token a row, side by side in this process:
   ``log_softmax`` of the batch (this file);
 * ``ff torch``: fastforward's ``Sampler`` without the C++ kernels (top-p from candidates, one
   uniform a row through a float64 cumulative sum);
-* ``ff``: fastforward's ``Sampler`` as the engine builds it (argmax_rows, sample_logits and
-  top_p_filter_).
+* ``ff``: fastforward's ``Sampler`` as the engine builds it (argmax_rows, sample_logits,
+  top_p_filter_ and mask_below_).
 
 Prints ms per step for each and the reference / ff ratio, and writes
 ``benchmarks/results/bench_sampler.json``.
@@ -136,7 +136,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from fastforward import kernels
-    from fastforward.layers.sampler import Sampler
+    from fastforward.layers.sampler import FilterKernels, Sampler
 
     if not kernels.available():
         sys.exit("bench_sampler: the C++ kernels do not build here")
@@ -154,7 +154,7 @@ def main() -> None:
                 seed=0,
                 argmax=ops.argmax_rows,
                 sample_logits=ops.sample_logits,
-                top_p_filter=ops.top_p_filter_,
+                filter_kernels=FilterKernels.from_ops(ops),
             )
             row = {
                 "setting": name,

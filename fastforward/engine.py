@@ -38,7 +38,7 @@ from fastforward.kv.spec import (
     SlidingWindowSpec,
     make_kv_cache_config,
 )
-from fastforward.layers.sampler import SampledToken, Sampler
+from fastforward.layers.sampler import FilterKernels, SampledToken, Sampler
 from fastforward.loader.model_loader import load_model
 from fastforward.models.config import ModelConfig
 from fastforward.output_processor import OutputProcessor, ParentState, SequenceState
@@ -186,7 +186,7 @@ class LLMEngine:
             token_texts=texts,
             argmax=ops.argmax_rows if ops else None,
             sample_logits=ops.sample_logits if ops else None,
-            top_p_filter=ops.top_p_filter_ if ops else None,
+            filter_kernels=FilterKernels.from_ops(ops) if ops else None,
         )
         self.verifier = DraftVerifier(self.sampler, self.grammars)
         self.proposer = self._make_proposer(self.spec_config)

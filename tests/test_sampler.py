@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fastforward.layers.sampler import (
+    FilterKernels,
     Sampler,
     apply_min_p,
     apply_min_tokens,
@@ -108,12 +109,12 @@ def test_top_p_mask(top_p, expected):
     assert kept(logits) == [expected]
 
 
-def _top_p_kernel():
+def _filter_kernels() -> FilterKernels:
     from fastforward import kernels
 
     if not kernels.available():
         pytest.skip("no C++ compiler for kernels")
-    return kernels.ops().top_p_filter_
+    return FilterKernels.from_ops(kernels.ops())
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
@@ -123,7 +124,7 @@ def test_top_p_from_candidates_matches_the_sorted_reference(scale, kernel):
     sorted reference for the rows those do not cover) keeps the sorted reference's tokens, with
     and without top-k, on rows from peaked (few candidates) to flat (the whole vocabulary
     sorted), NaN rows too."""
-    top_p_kernel = _top_p_kernel() if kernel else None
+    filter_kernels = _filter_kernels() if kernel else None
     gen = torch.Generator().manual_seed(int(scale * 100))
     rows, vocab = 12, 6000
     logits = torch.randn(rows, vocab, generator=gen) * scale
@@ -133,7 +134,7 @@ def test_top_p_from_candidates_matches_the_sorted_reference(scale, kernel):
     top_p = torch.tensor([0.5, 0.9, 0.95, 0.99, 1.0, 0.8, 0.3, 0.9, 0.999, 0.7, 0.6, 0.95])
     for top_k in (None, torch.tensor([vocab, 5, 300, 3000] * 3)):
         fast, ref = logits.clone(), logits.clone()
-        apply_top_k_top_p(fast, top_k, top_p, top_p_kernel)
+        apply_top_k_top_p(fast, top_k, top_p, filter_kernels)
         apply_top_k_top_p_sorted(ref, top_k, top_p)
         for r in range(rows):
             if r == 7:  # NaN row: both leave the NaN in place
@@ -147,7 +148,7 @@ def test_top_p_kernel_matches_the_sorted_reference_row_by_row():
     """top_p_filter_ alone (no candidates before it) on rows of every shape: flat and peaked,
     masked tokens, weights that underflow, top_p from near 0 to 1; it keeps exactly the sorted
     reference's tokens, and the values it keeps are untouched."""
-    op = _top_p_kernel()
+    op = _filter_kernels().top_p
     gen = torch.Generator().manual_seed(7)
     for trial in range(200):
         vocab = int(torch.randint(1, 5000, (1,), generator=gen))
@@ -164,8 +165,28 @@ def test_top_p_kernel_matches_the_sorted_reference_row_by_row():
         assert torch.equal(got, ref), trial
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_top_k_keeps_ties_at_the_kth_on_both_paths(kernel):
+    filter_kernels = _filter_kernels() if kernel else None
+    logits = torch.tensor([[1.0, 2.0, 2.0, 3.0], [1.0, 2.0, 2.0, 3.0], [4.0, 3.0, 2.0, 1.0]])
+    apply_top_k_top_p(logits, torch.tensor([2, 1, 4]), None, filter_kernels)  # 4 == V: off
+    assert kept(logits) == [{1, 2, 3}, {3}, {0, 1, 2, 3}]
+
+
+def test_mask_below_kernel():
+    mask_below = _filter_kernels().mask_below
+    x = torch.tensor([[1.0, -2.0, 3.0, NEG_INF], [0.5, 0.5, float("nan"), 7.0]])
+    mask_below(x, torch.tensor([1.0, float("nan")]))  # a NaN threshold masks nothing
+    assert x[0].tolist() == [1.0, NEG_INF, 3.0, NEG_INF]
+    assert x[1, [0, 1, 3]].tolist() == [0.5, 0.5, 7.0] and torch.isnan(x[1, 2])
+    with pytest.raises(RuntimeError, match="one value per row"):
+        mask_below(torch.zeros(2, 3), torch.zeros(3))
+    with pytest.raises(RuntimeError, match="float32"):
+        mask_below(torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2))
+
+
 def test_top_p_kernel_ties_rows_without_mass_and_bad_input():
-    op = _top_p_kernel()
+    op = _filter_kernels().top_p
     # four tokens of equal weight: top_p 0.5 keeps two of them, the lower indices
     x = torch.zeros(1, 4)
     assert op(x, torch.tensor([0.5])).all()
@@ -215,6 +236,24 @@ def test_min_p_mask(min_p, expected):
     logits = log_probs_row(PROBS7)
     apply_min_p(logits, torch.tensor([min_p]))
     assert kept(logits) == [expected]
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_min_p_in_logit_space_keeps_the_probability_rule(kernel):
+    """apply_min_p compares logits with max + ln(min_p) (torch, or the C++ mask_below_); on
+    random rows (masked tokens and a disabled row among them) it keeps exactly the tokens whose
+    probability is at least min_p x the row's largest, the rule as vLLM states it."""
+    filter_kernels = _filter_kernels() if kernel else None
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 3000, generator=gen) * 3
+    logits[1, ::3] = NEG_INF
+    min_p = torch.tensor([0.05, 0.1, 0.0, 0.5, 1e-4, 0.9])
+    probs = torch.softmax(logits.double(), dim=-1)
+    expected = probs >= probs.amax(dim=-1, keepdim=True) * min_p.double().unsqueeze(1)
+    out = logits.clone()
+    apply_min_p(out, min_p, filter_kernels)
+    assert torch.equal(out > NEG_INF, expected & (logits > NEG_INF))
+    assert torch.equal(out[expected], logits[expected])  # kept logits untouched
 
 
 def test_min_p_applies_after_temperature():
@@ -507,14 +546,14 @@ def test_sampled_distribution_matches_filtered(combo, seeded, kernel):
     expected = reference_distribution(LOGITS8, **combo)
     logits = torch.tensor(LOGITS8).repeat(N_DRAWS, 1)  # [N, 8]
     reqs = [make_request(str(i), seed=(i if seeded else None), **combo) for i in range(N_DRAWS)]
-    sample_logits = top_p_filter = None
+    sample_logits = filter_kernels = None
     if kernel:
         from fastforward import kernels
 
         if not kernels.available():
             pytest.skip("no C++ compiler for kernels")
-        sample_logits, top_p_filter = kernels.ops().sample_logits, kernels.ops().top_p_filter_
-    sampler = Sampler(seed=123, sample_logits=sample_logits, top_p_filter=top_p_filter)
+        sample_logits, filter_kernels = kernels.ops().sample_logits, _filter_kernels()
+    sampler = Sampler(seed=123, sample_logits=sample_logits, filter_kernels=filter_kernels)
     tokens = [o.token_id for o in sampler(logits, reqs)]
     freqs = _frequencies(tokens, len(LOGITS8))
     diffs = [abs(f - e) for f, e in zip(freqs, expected, strict=True)]

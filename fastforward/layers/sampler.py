@@ -39,9 +39,27 @@ from fastforward.structured_outputs import GrammarCompiler, apply_grammar_masks
 # Temperatures below this are treated as greedy (dividing by them would overflow); as vLLM.
 _GREEDY_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
-# top-p in place over fp32 CPU logits [R, V] with top_p [R]; returns which rows it took (the
-# C++ top_p_filter_)
-TopPKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class FilterKernels:
+    """C++ twins of the filters' steps over fp32 CPU logits [R, V] (``fastforward.kernels``'
+    ops), for :func:`filter_logits`."""
+
+    # top-p in place with top_p [R]; returns which rows it took (``top_p_filter_``)
+    top_p: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # -inf in place where logits < threshold [R] (``mask_below_``): min-p and top-k
+    mask_below: Callable[[torch.Tensor, torch.Tensor], None]
+
+    @classmethod
+    def from_ops(cls, ops) -> FilterKernels:
+        return cls(top_p=ops.top_p_filter_, mask_below=ops.mask_below_)
+
+    def take(self, logits: torch.Tensor) -> bool:
+        """Whether these kernels take ``logits`` (fp32, CPU, contiguous)."""
+        return (
+            logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.is_contiguous()
+        )
 
 
 @dataclass(slots=True)
@@ -78,17 +96,16 @@ class Sampler:
         token_texts: Callable[[], Sequence[str]] | None = None,
         argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
         sample_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-        top_p_filter: TopPKernel | None = None,
+        filter_kernels: FilterKernels | None = None,
     ) -> None:
         """``argmax``: each row's first maximum (first NaN) of fp32 CPU logits, e.g. the C++
         ``argmax_rows``; None takes ``max(dim=-1).indices``. ``sample_logits``: each row's
         token for its uniform from ``softmax`` of fp32 CPU logits by inverse CDF (-1: the row
         has no finite positive mass), e.g. the C++ ``sample_logits``; None takes
-        :func:`inverse_cdf` of the softmax. ``top_p_filter``: top-p in place over the fp32 CPU
-        logits of every top-p row, e.g. the C++ ``top_p_filter_`` (:func:`apply_top_k_top_p`);
-        None looks among each row's most likely tokens, then sorts the rows those miss."""
+        :func:`inverse_cdf` of the softmax. ``filter_kernels``: min-p, top-k and top-p over
+        fp32 CPU logits in C++ (:func:`filter_logits`); None: torch ops."""
         self._base_seed = seed
-        self.top_p_filter = top_p_filter
+        self.filter_kernels = filter_kernels
         self._argmax = argmax
         self._sample_logits = sample_logits
         self._grammars = grammars
@@ -150,7 +167,7 @@ class Sampler:
         rand_reqs = [requests[i] for i in rows]
         row_idx = torch.tensor(rows, device=device)  # [R]
         sub = logits if len(rows) == len(requests) else logits.index_select(0, row_idx)
-        sub = filter_logits(sub, rand_reqs, self.top_p_filter)  # [R, V]
+        sub = filter_logits(sub, rand_reqs, self.filter_kernels)  # [R, V]
         u = self._uniforms(rand_reqs, device)  # [R]
         if self._sample_logits is not None and on_kernel:
             picked = self._sample_logits(sub, u)
@@ -351,54 +368,69 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
 
 
 def filter_logits(
-    logits: torch.Tensor, requests: list[Request], top_p_kernel: TopPKernel | None = None
+    logits: torch.Tensor, requests: list[Request], kernels: FilterKernels | None = None
 ) -> torch.Tensor:
     """Temperature, then min-p, top-k, top-p, in place on ``logits`` [R, V] of non-greedy rows
     (penalties already applied). Tokens are sampled from ``softmax`` of the result.
-    ``top_p_kernel``: as :func:`apply_top_k_top_p`'s."""
+    ``kernels``: the C++ twins of these steps, used where they take the logits."""
     device = logits.device
+    kernels = kernels if kernels is not None and kernels.take(logits) else None
     logits.div_(_param_tensor(requests, "temperature", device).unsqueeze(1))
-    apply_min_p(logits, _param_tensor(requests, "min_p", device))
+    apply_min_p(logits, _param_tensor(requests, "min_p", device), kernels)
     top_k = _top_k_tensor(requests, logits.shape[1], device)
-    apply_top_k_top_p(logits, top_k, _top_p(requests, device), top_p_kernel)
+    apply_top_k_top_p(logits, top_k, _top_p(requests, device), kernels)
     return logits
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+def apply_min_p(
+    logits: torch.Tensor, min_p: torch.Tensor, kernels: FilterKernels | None = None
+) -> None:
     """In place on ``logits`` [R, V] (already temperature-scaled): ``-inf`` where
-    ``prob < min_p * max_prob``. ``min_p`` is [R]; 0 disables it for that row."""
+    ``prob < min_p * max_prob``. ``min_p`` is [R]; 0 disables it for that row.
+
+    Compared in logit space, ``logit < max_logit + ln(min_p)`` (the same rule, as
+    ``exp(logit - max) < min_p``; llama.cpp's form), without the [R, V] softmax: at 64 rows of
+    SmolLM2's 49,152 tokens 16.9 -> 4.3 ms (Zen 4 EPYC, 2 threads), and with ``kernels``'
+    ``mask_below`` no [R, V] mask either."""
     if not bool((min_p > 0).any()):
         return
-    probs = torch.softmax(logits, dim=-1)  # [R, V]
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [R, 1]
-    logits.masked_fill_(probs < threshold, float("-inf"))
+    threshold = logits.amax(dim=-1) + torch.log(min_p)  # [R]; min_p 0: -inf, nothing masked
+    _mask_below(logits, threshold, kernels)
+
+
+def _mask_below(
+    logits: torch.Tensor, threshold: torch.Tensor, kernels: FilterKernels | None
+) -> None:
+    """``-inf`` in place where ``logits`` [R, V] < ``threshold`` [R]."""
+    if kernels is not None and kernels.take(logits):
+        kernels.mask_below(logits, threshold)
+    else:
+        logits.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
 
 
 def apply_top_k_top_p(
     logits: torch.Tensor,
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
-    top_p_kernel: TopPKernel | None = None,
+    kernels: FilterKernels | None = None,
 ) -> None:
     """In place on ``logits`` [R, V]. ``top_k`` [R] (int, ``V`` = off) keeps the tokens whose
     logit is >= the k-th largest (ties kept). Then ``top_p`` [R] (float, 1.0 = off) keeps the
     smallest set of most likely tokens whose probability, renormalized after top-k and any
-    earlier mask, reaches ``top_p``; the most likely token is always kept. ``top_p_kernel``
-    (the C++ ``top_p_filter_``: fp32 CPU logits, in place, which rows it took), where given,
-    takes every row; else each row's set is looked for among its most likely tokens first
-    (:func:`_top_p_among_candidates`). Rows neither takes go to
-    :func:`apply_top_k_top_p_sorted`."""
+    earlier mask, reaches ``top_p``; the most likely token is always kept. With ``kernels``
+    (where they take the logits) the C++ ``top_p_filter_`` takes every row; else each row's set
+    is looked for among its most likely tokens first (:func:`_top_p_among_candidates`). Rows
+    neither takes go to :func:`apply_top_k_top_p_sorted`."""
+    on_kernel = kernels is not None and kernels.take(logits)
     if top_k is not None:
-        _apply_top_k_only(logits, top_k)
+        _apply_top_k_only(logits, top_k, kernels if on_kernel else None)
     if top_p is None:
         return
     rows = torch.nonzero(top_p < 1.0).flatten()  # 1.0: off
-    on_kernel = top_p_kernel is not None and logits.dtype == torch.float32
-    on_kernel = on_kernel and logits.device.type == "cpu" and logits.is_contiguous()
     if on_kernel and rows.numel():
         whole = rows.numel() == logits.shape[0]
         sub = logits if whole else logits.index_select(0, rows)
-        took = top_p_kernel(sub, top_p.index_select(0, rows))
+        took = kernels.top_p(sub, top_p.index_select(0, rows))
         if not whole:
             logits[rows[took]] = sub[took]
         rows = rows[~took]
@@ -414,10 +446,10 @@ def apply_top_k_top_p(
 
 # How many of a row's most likely tokens its top-p set is looked for among, in turn, before the
 # whole vocabulary is sorted: at 64 rows of a 49k vocabulary the sort took 122 ms, a top-256
-# 6.5 ms (a throwaway timing on the Zen 4 EPYC, 2 threads). Where the C++ top_p_filter_ is
-# given it takes every row instead: SmolLM2's real logits at temperature 0.8, top_p 0.95, 64 rows
-# 23.8 -> 5.4 ms, 1 row 0.43 -> 0.19; rows whose 2,048 most likely tokens hold less than the mass
-# (flat: sorted) 64 rows 188 -> 7.0 ms, 1 row 6.3 -> 0.18.
+# 6.5 ms (a throwaway timing on the Zen 4 EPYC, 2 threads). With the kernels the C++
+# top_p_filter_ takes every row instead: SmolLM2's real logits at temperature 0.8, top_p 0.95,
+# 64 rows 23.8 -> 4.5 ms, 1 row 0.43 -> 0.15; rows whose 2,048 most likely tokens hold less than
+# the mass (flat: sorted) 64 rows 188 -> 4.6 ms, 1 row 6.3 -> 0.15.
 _TOP_P_CANDIDATES = (256, 2048)
 
 
@@ -483,15 +515,17 @@ def apply_top_k_top_p_sorted(
     logits.scatter_(1, order, sorted_logits)
 
 
-def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> None:
+def _apply_top_k_only(
+    logits: torch.Tensor, top_k: torch.Tensor, kernels: FilterKernels | None = None
+) -> None:
     """Top-k without a full sort (much cheaper than sorting the vocabulary when k is small)."""
     vocab = logits.shape[1]
     on = top_k < vocab  # [R]
     max_k = int(top_k.masked_fill(~on, 1).max())
     top_values = logits.topk(max_k, dim=-1).values  # [R, max_k], descending
-    kth = top_values.gather(1, (top_k.clamp(1, max_k) - 1).unsqueeze(1))  # [R, 1]
-    kth.masked_fill_(~on.unsqueeze(1), float("-inf"))
-    logits.masked_fill_(logits < kth, float("-inf"))
+    kth = top_values.gather(1, (top_k.clamp(1, max_k) - 1).unsqueeze(1)).squeeze(1)  # [R]
+    kth.masked_fill_(~on, float("-inf"))
+    _mask_below(logits, kth, kernels)
 
 
 # ----------------------------------------------------------------------------- helpers

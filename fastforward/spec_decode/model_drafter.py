@@ -46,7 +46,7 @@ def sample_drafts(
     rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
     if rows:
         reqs = [requests[i] for i in rows]
-        q = filter_logits(logits[rows].clone(), reqs, sampler.top_p_filter)
+        q = filter_logits(logits[rows].clone(), reqs, sampler.filter_kernels)
         q = torch.softmax(q, dim=-1)  # [R', V]
         gens = [
             sampler.generator(r, r.num_output_tokens + step, q.device, DRAFT_SALT) for r in reqs

@@ -98,7 +98,7 @@ class DraftVerifier:
         probs = None
         if random_rows:
             reqs = [rows[i] for i in random_rows]
-            sub = filter_logits(logits[random_rows], reqs, self.sampler.top_p_filter)
+            sub = filter_logits(logits[random_rows], reqs, self.sampler.filter_kernels)
             probs = dict(zip(random_rows, torch.softmax(sub, dim=-1), strict=True))
         emitted_rows, emitted_tokens, counts = [], [], []
         for i, req in enumerate(requests):

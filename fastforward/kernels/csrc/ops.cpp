@@ -61,6 +61,7 @@ TORCH_LIBRARY(fastforward, m) {
   m.def("argmax_rows(Tensor x) -> Tensor", &ff::argmax_rows);
   m.def("sample_logits(Tensor logits, Tensor u) -> Tensor", &ff::sample_logits);
   m.def("top_p_filter_(Tensor(a!) logits, Tensor top_p) -> Tensor", &ff::top_p_filter_);
+  m.def("mask_below_(Tensor(a!) x, Tensor threshold) -> ()", &ff::mask_below_);
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table) -> ()", &ff::rope_);
   m.def(
       "write_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping, "

@@ -36,6 +36,8 @@ at::Tensor sample_logits(const at::Tensor& logits, const at::Tensor& u);
 // Top-p in place over fp32 logits [R, V] (the smallest set of most likely tokens whose mass
 // reaches top_p[r]); which rows it took (bool [R]: not those without finite positive mass).
 at::Tensor top_p_filter_(at::Tensor& logits, const at::Tensor& top_p);
+// -inf in place where x[r, i] < threshold[r] (fp32 [R, V]; the sampler's min-p and top-k).
+void mask_below_(at::Tensor& x, const at::Tensor& threshold);
 void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table);
 at::Tensor rescore_logits(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& bias, int64_t k);
