@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/bench_step.py                        # SmolLM2-135M, 64 x (100 + 128)
     python benchmarks/bench_step.py --batch 8 --temperature 0.8 --top-p 0.95
+    python benchmarks/bench_step.py --temperature 0.7 --top-k 40 --top-p 0.9 --min-p 0.05
 
 Runs bench_cpu.py's batched workload (``--batch`` prompts of ``--prompt`` tokens, ``--new`` new
 tokens each, ignoring EOS, prefix caching off) through ``LLM.generate`` with timers around the
@@ -146,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new", type=int, default=128, help="new tokens a prompt")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0: off")
+    ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "bench_step.json")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.prompt < 1 or args.new < 2:
@@ -162,7 +165,12 @@ def main(argv: list[str] | None = None) -> None:
         download_progress=False,
     )
     params = SamplingParams(
-        max_tokens=args.new, ignore_eos=True, temperature=args.temperature, top_p=args.top_p
+        max_tokens=args.new,
+        ignore_eos=True,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
     )
     llm.generate(prompts(args.model, 2, 16), SamplingParams(max_tokens=4))  # warm-up
     ps = prompts(args.model, args.batch, args.prompt, offset=3)

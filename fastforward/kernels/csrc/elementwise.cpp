@@ -390,12 +390,13 @@ namespace {
 // float32 weights are not 0; the last takes everything further), the bins' masses are summed
 // in double from the bottom up to the one where the running mass passes the limit, and only
 // that bin's tokens are sorted to find the cut inside it. Bins below it are dropped, bins above
-// kept. w and bin: buffers of V. False (x untouched) where the row's total is not a positive
+// kept. w, nz and bin: buffers of V. False (x untouched) where the row's total is not a positive
 // finite number.
 constexpr int kTopPBins = 4096;
 constexpr float kTopPRange = 88.f;  // exp(-88) is under float32's smallest normal
 
-bool top_p_row(float* x, int64_t V, double p, float* w, uint16_t* bin, double* mass) {
+bool top_p_row(float* x, int64_t V, double p, float* w, int32_t* nz, uint16_t* bin,
+               double* mass) {
   // the max and any NaN, a vector at a time
   vf vmx = splat(-std::numeric_limits<float>::infinity());
   auto vnan = vmx != vmx;  // all false
@@ -413,18 +414,50 @@ bool top_p_row(float* x, int64_t V, double p, float* w, uint16_t* bin, double* m
     nan |= std::isnan(x[i]);
   }
   if (nan || !std::isfinite(mx)) return false;
+  // The weights, and the indices of the tokens of positive weight into nz (room for V + 16):
+  // only those take part; a token of weight 0 (masked, or under e^-87) is dropped. After top-k
+  // or min-p they are a few dozen, visited through their indices; a dense row is walked whole
+  // (the indirection cost more than it saved there). With AVX-512 the indices are compressed
+  // in a register and stored whole (Zen 4 runs the compressing store to memory in microcode).
+  int64_t n = 0;
   i = 0;
+#if defined(__AVX512F__)
+  __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; i + 16 <= V; i += 16) {
+    const vf e = vexp(load(x + i) - splat(mx));  // VL == 16
+    store(w + i, e);
+    const __m512 wv = reinterpret_cast<const __m512&>(e);
+    const __mmask16 pos = _mm512_cmp_ps_mask(wv, _mm512_setzero_ps(), _CMP_GT_OQ);
+    _mm512_storeu_si512(nz + n, _mm512_maskz_compress_epi32(pos, ids));
+    n += __builtin_popcount(pos);
+    ids = _mm512_add_epi32(ids, _mm512_set1_epi32(16));
+  }
+#else
   for (; i + VL <= V; i += VL) store(w + i, vexp(load(x + i) - splat(mx)));
-  for (; i < V; ++i) w[i] = std::exp(x[i] - mx);
+  for (int64_t j = 0; j < i; ++j)
+    if (w[j] > 0.f) nz[n++] = int32_t(j);
+#endif
+  for (; i < V; ++i) {
+    w[i] = std::exp(x[i] - mx);
+    if (w[i] > 0.f) nz[n++] = int32_t(i);
+  }
+  const bool dense = 8 * n > V;
+  auto each = [&](auto&& f) {
+    if (dense) {
+      for (int64_t j = 0; j < V; ++j)
+        if (w[j] > 0.f) f(j);
+    } else {
+      for (int64_t k = 0; k < n; ++k) f(int64_t(nz[k]));
+    }
+  };
   std::fill(mass, mass + kTopPBins, 0.0);
   const float per = kTopPBins / kTopPRange;
-  for (int64_t j = 0; j < V; ++j) {
-    if (!(w[j] > 0.f)) continue;  // weight 0 (masked, or under e^-87): dropped, in no bin
+  each([&](int64_t j) {
     const float d = (mx - x[j]) * per;  // >= 0
     const int b = d < float(kTopPBins - 1) ? int(d) : kTopPBins - 1;
     bin[j] = uint16_t(b);
     mass[b] += w[j];
-  }
+  });
   // (summed from the bins, not token by token: one double chain a token was most of the pass)
   double total = 0.0;
   for (int b = 0; b < kTopPBins; ++b) total += mass[b];
@@ -435,20 +468,33 @@ bool top_p_row(float* x, int64_t V, double p, float* w, uint16_t* bin, double* m
   while (cut > 0 && acc + mass[cut] <= limit) acc += mass[cut--];
   // the cut's bin, ascending by rank: (x, -index)
   std::vector<std::pair<float, int64_t>> in;
-  for (int64_t j = 0; j < V; ++j)
-    if (w[j] > 0.f && bin[j] == cut) in.emplace_back(x[j], -j);
+  each([&](int64_t j) {
+    if (bin[j] == cut) in.emplace_back(x[j], -j);
+  });
   std::sort(in.begin(), in.end());
   int64_t dropped = 0;  // the first `dropped` of `in` go
   while (dropped < int64_t(in.size()) && acc + w[-in[dropped].second] <= limit)
     acc += w[-in[dropped++].second];
-  const std::pair<float, int64_t> last =
-      dropped ? in[dropped - 1] : std::pair<float, int64_t>(-std::numeric_limits<float>::infinity(), 0);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const std::pair<float, int64_t> last = dropped ? in[dropped - 1] : std::make_pair(ninf, int64_t(0));
+  auto drop = [&](int64_t j) {
+    return bin[j] > cut || (bin[j] == cut && dropped && std::make_pair(x[j], -j) <= last);
+  };
   int64_t kept = 0;
-  for (int64_t j = 0; j < V; ++j) {
-    const bool drop = w[j] <= 0.f || bin[j] > cut ||
-                      (bin[j] == cut && dropped && std::make_pair(x[j], -j) <= last);
-    if (drop) x[j] = -std::numeric_limits<float>::infinity();
-    else ++kept;
+  if (dense) {
+    for (int64_t j = 0; j < V; ++j) {
+      if (!(w[j] > 0.f) || drop(j)) x[j] = ninf;
+      else ++kept;
+    }
+  } else {  // weight 0: -inf a vector at a time; then the dropped ones among the rest
+    i = 0;
+    for (; i + VL <= V; i += VL) store(x + i, load(w + i) > splat(0.f) ? load(x + i) : splat(ninf));
+    for (; i < V; ++i)
+      if (!(w[i] > 0.f)) x[i] = ninf;
+    each([&](int64_t j) {
+      if (drop(j)) x[j] = ninf;
+      else ++kept;
+    });
   }
   if (kept == 0) {  // rounding at p ~ 0: the most likely token stays (its first occurrence)
     for (int64_t j = 0; j < V; ++j)
@@ -484,10 +530,11 @@ at::Tensor top_p_filter_(at::Tensor& logits, const at::Tensor& top_p) {
   bool* dp = done.data_ptr<bool>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> w(V);
+    std::vector<int32_t> nz(V + 16);
     std::vector<uint16_t> bin(V);
     std::vector<double> mass(kTopPBins);
     for (int64_t r = r0; r < r1; ++r)
-      dp[r] = top_p_row(lp + r * V, V, pp[r], w.data(), bin.data(), mass.data());
+      dp[r] = top_p_row(lp + r * V, V, pp[r], w.data(), nz.data(), bin.data(), mass.data());
   });
   return done;
 }
