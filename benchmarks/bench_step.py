@@ -79,11 +79,12 @@ def instrument(engine) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
     def step_and_time():
         t = time.perf_counter()
         n = len(steps)
+        calls = {part: len(times[part]) for part in PARTS}
         out = step()
-        if len(steps) > n:  # a step that ran the model
+        if len(steps) > n:  # a step that ran the model: each part's calls in it, summed
             steps[-1]["seconds"] = time.perf_counter() - t
             for part in PARTS:
-                steps[-1][part] = times[part][-1] if len(times[part]) else 0.0
+                steps[-1][part] = sum(times[part][calls[part] :])
         return out
 
     engine.step = step_and_time

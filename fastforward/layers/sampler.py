@@ -374,7 +374,6 @@ def filter_logits(
     (penalties already applied). Tokens are sampled from ``softmax`` of the result.
     ``kernels``: the C++ twins of these steps, used where they take the logits."""
     device = logits.device
-    kernels = kernels if kernels is not None and kernels.take(logits) else None
     logits.div_(_param_tensor(requests, "temperature", device).unsqueeze(1))
     apply_min_p(logits, _param_tensor(requests, "min_p", device), kernels)
     top_k = _top_k_tensor(requests, logits.shape[1], device)
@@ -423,7 +422,7 @@ def apply_top_k_top_p(
     neither takes go to :func:`apply_top_k_top_p_sorted`."""
     on_kernel = kernels is not None and kernels.take(logits)
     if top_k is not None:
-        _apply_top_k_only(logits, top_k, kernels if on_kernel else None)
+        _apply_top_k_only(logits, top_k, kernels)
     if top_p is None:
         return
     rows = torch.nonzero(top_p < 1.0).flatten()  # 1.0: off

@@ -320,6 +320,30 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+namespace {
+
+// A row's max, a vector at a time (a NaN does not pass into it), and whether it holds a NaN.
+float row_max(const float* x, int64_t V, bool& nan) {
+  vf vmx = splat(-std::numeric_limits<float>::infinity());
+  auto vnan = vmx != vmx;  // all false
+  int64_t i = 0;
+  for (; i + VL <= V; i += VL) {
+    const vf v = load(x + i);
+    vmx = v > vmx ? v : vmx;
+    vnan |= v != v;
+  }
+  float mx = hmax(vmx);
+  nan = false;
+  for (int l = 0; l < VL; ++l) nan |= vnan[l] != 0;
+  for (; i < V; ++i) {
+    mx = std::max(mx, x[i]);
+    nan |= std::isnan(x[i]);
+  }
+  return mx;
+}
+
+}  // namespace
+
 // Sampling from softmax(logits) by inverse CDF, one uniform u[r] in [0, 1) a row, without the
 // [rows, vocab] probabilities or noise in memory: per row its max, exp(x - max) into a buffer
 // of the thread's, the sum of each block of VL (one vector), their total in double; then the
@@ -347,12 +371,8 @@ at::Tensor sample_logits(const at::Tensor& logits, const at::Tensor& u) {
     std::vector<float> w(nb * VL, 0.f), block(nb);
     for (int64_t r = r0; r < r1; ++r) {
       const float* x = lp + r * V;
-      float mx = -std::numeric_limits<float>::infinity();
-      bool nan = false;
-      for (int64_t i = 0; i < V; ++i) {
-        mx = std::max(mx, x[i]);  // a NaN does not pass into mx: it is seen here
-        nan |= std::isnan(x[i]);
-      }
+      bool nan;
+      const float mx = row_max(x, V, nan);
       int64_t i = 0;
       for (; i + VL <= V; i += VL) store(w.data() + i, vexp(load(x + i) - splat(mx)));
       for (; i < V; ++i) w[i] = std::exp(x[i] - mx);
@@ -397,30 +417,15 @@ constexpr float kTopPRange = 88.f;  // exp(-88) is under float32's smallest norm
 
 bool top_p_row(float* x, int64_t V, double p, float* w, int32_t* nz, uint16_t* bin,
                double* mass) {
-  // the max and any NaN, a vector at a time
-  vf vmx = splat(-std::numeric_limits<float>::infinity());
-  auto vnan = vmx != vmx;  // all false
-  int64_t i = 0;
-  for (; i + VL <= V; i += VL) {
-    const vf v = load(x + i);
-    vmx = v > vmx ? v : vmx;
-    vnan |= v != v;
-  }
-  float mx = hmax(vmx);
-  bool nan = false;
-  for (int l = 0; l < VL; ++l) nan |= vnan[l] != 0;
-  for (; i < V; ++i) {
-    mx = std::max(mx, x[i]);
-    nan |= std::isnan(x[i]);
-  }
+  bool nan;
+  const float mx = row_max(x, V, nan);
   if (nan || !std::isfinite(mx)) return false;
   // The weights, and the indices of the tokens of positive weight into nz (room for V + 16):
   // only those take part; a token of weight 0 (masked, or under e^-87) is dropped. After top-k
   // or min-p they are a few dozen, visited through their indices; a dense row is walked whole
   // (the indirection cost more than it saved there). With AVX-512 the indices are compressed
   // in a register and stored whole (Zen 4 runs the compressing store to memory in microcode).
-  int64_t n = 0;
-  i = 0;
+  int64_t n = 0, i = 0;
 #if defined(__AVX512F__)
   __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (; i + 16 <= V; i += 16) {
