@@ -202,11 +202,30 @@ def test_top_p_kernel_ties_rows_without_mass_and_bad_input():
     assert torch.equal(x[:2].isnan(), before[:2].isnan())
     assert torch.equal(x[1], before[1])
     with pytest.raises(RuntimeError, match="top_p must be in"):
-        op(torch.zeros(1, 3), torch.tensor([0.0]))
+        op(torch.zeros(1, 3), torch.tensor([-0.5]))
+    with pytest.raises(RuntimeError, match="top_p must be in"):
+        op(torch.zeros(1, 3), torch.tensor([1.5]))
     with pytest.raises(RuntimeError, match="one value per row"):
         op(torch.zeros(2, 3), torch.tensor([0.5]))
     with pytest.raises(RuntimeError, match="float32"):
         op(torch.zeros(1, 3, dtype=torch.float64), torch.tensor([0.5]))
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_top_p_under_float32_range_keeps_the_most_likely_token(kernel):
+    """A valid top_p too small for float32 (1e-217, as the server's fuzzing sent) reaches the
+    filters as 0: they keep the most likely token alone, as the sorted reference does, and the
+    sampler picks it (it was an engine error through the C++ kernel)."""
+    filter_kernels = _filter_kernels() if kernel else None
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]))
+    ref = logits.clone()
+    apply_top_k_top_p_sorted(ref, None, torch.tensor([0.0, 0.0]))
+    apply_top_k_top_p(logits, None, torch.tensor([0.0, 0.0]), filter_kernels)
+    assert kept(logits) == kept(ref) == [{1}, {0}]
+    reqs = [make_request(str(i), temperature=1.0, top_p=1e-217) for i in range(2)]
+    sampler = Sampler(seed=0, filter_kernels=filter_kernels)
+    tokens = [t.token_id for t in sampler(torch.log(torch.tensor([[0.1, 0.6, 0.3]] * 2)), reqs)]
+    assert tokens == [1, 1]
 
 
 def test_inverse_cdf_picks_by_interval_and_never_a_zero():

@@ -513,7 +513,7 @@ bool top_p_row(float* x, int64_t V, double p, float* w, int32_t* nz, uint16_t* b
 
 }  // namespace
 
-// Top-p over the rows of logits [R, V] (float32, contiguous) in place, top_p [R] in (0, 1]:
+// Top-p over the rows of logits [R, V] (float32, contiguous) in place, top_p [R] in [0, 1]:
 // top_p_row on each, a row a thread at a time; returns which rows it took (bool [R]). Zen 4
 // EPYC, 2 threads, top_p 0.95 over SmolLM2's 49,152 tokens: 64 rows of its logits at
 // temperature 0.8 4.5 ms, where looking among each row's 256 and 2,048 most likely tokens
@@ -527,8 +527,10 @@ at::Tensor top_p_filter_(at::Tensor& logits, const at::Tensor& top_p) {
   const int64_t R = logits.size(0), V = logits.size(1);
   TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "top_p_filter_: rows of 1 to 2^31 - 1 tokens");
   const auto pc = top_p.to(at::kDouble).contiguous();
-  TORCH_CHECK(R == 0 || (pc.min().item<double>() > 0.0 && pc.max().item<double>() <= 1.0),
-              "top_p_filter_: top_p must be in (0, 1]");
+  // 0 is taken (the most likely token alone): a valid top_p under float32's range, e.g. 1e-217
+  // from a request, arrives as 0
+  TORCH_CHECK(R == 0 || (pc.min().item<double>() >= 0.0 && pc.max().item<double>() <= 1.0),
+              "top_p_filter_: top_p must be in [0, 1]");
   auto done = at::zeros({R}, logits.options().dtype(at::kBool));
   float* lp = logits.data_ptr<float>();
   const double* pp = pc.data_ptr<double>();
