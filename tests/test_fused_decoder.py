@@ -65,6 +65,22 @@ def test_fused_stack_equals_module_path(tiny_model_dir, arch, dtype, count_fused
     assert fused == plain
 
 
+def test_fused_stack_equals_module_path_at_batch_24(tiny_model_dir, count_fused_calls):
+    """Decode steps of 24 rows: the stack writes them into its step buffers (StepScratch, up
+    to 64 rows) and its attention hands the items out by steal_for; the same tokens and
+    logprobs as the module path."""
+    directory, _ = tiny_model_dir("llama")
+    prompts = [list(range(3 + i, 9 + 2 * i)) for i in range(24)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    got = []
+    for fused in (True, False):
+        llm = LLM(str(directory), fused_layers=fused, kernels="native", download_progress=False)
+        got.append(_tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False)))
+        if fused:
+            assert 24 in count_fused_calls  # a decode step of all of them, through the stack
+    assert got[0] == got[1]
+
+
 needs_vnni = pytest.mark.skipif(
     not (kernels.available() and kernels.ops().int8_rows_native()), reason="no AVX512-VNNI"
 )
