@@ -38,6 +38,7 @@ class ParentState:
     sequences: list[SequenceState] = field(default_factory=list)
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # built once the prompt is fully scored
+    final_only: bool = False  # step() returns its output once, finished (Engine.add_request)
 
     @property
     def finished(self) -> bool:

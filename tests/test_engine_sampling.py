@@ -81,3 +81,33 @@ def test_stream_text_grows_to_final(llm):
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
     assert chunks[-1].finished
     assert texts[-1] == llm.generate("the quick", params)[0].outputs[0].text
+
+
+def test_final_only_requests_return_once_with_the_same_output(llm):
+    """``add_request(final_only=True)`` (LLM.generate's use): step() returns that request's
+    output once, finished, the same as a request that reported every step; n = 2 and a stop
+    string included."""
+    engine = llm.engine
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0, stop=["e"], ignore_eos=True),
+    ]
+    prompt = "the quick brown fox"
+    finals: dict[str, list] = {}
+    seen: dict[str, int] = {}
+    for final_only in (True, False):
+        ids = {
+            engine.add_request(prompt, p, request_id=f"{final_only}-{i}", final_only=final_only): i
+            for i, p in enumerate(params)
+        }
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seen[out.request_id] = seen.get(out.request_id, 0) + 1
+                if out.finished:
+                    finals[out.request_id] = [(c.text, c.token_ids) for c in out.outputs]
+        assert set(finals) >= set(ids)
+    for i in range(len(params)):
+        assert seen[f"True-{i}"] == 1  # only the finished output
+        assert seen[f"False-{i}"] > 1  # an output after every step that changed it
+        assert finals[f"True-{i}"] == finals[f"False-{i}"]

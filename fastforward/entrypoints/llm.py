@@ -45,7 +45,7 @@ class LLM:
         """Generate for every prompt; outputs come back in prompt order."""
         prompts = _as_list(prompts)
         params = _params_list(sampling_params, len(prompts))
-        ids = [self._add(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids = [self._add(p, sp, final_only=True) for p, sp in zip(prompts, params, strict=True)]
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -85,10 +85,10 @@ class LLM:
         finally:
             self.engine.abort_request(rid)
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams, final_only: bool = False) -> str:
         if isinstance(prompt, dict):
             prompt = prompt.get("prompt_token_ids") or prompt.get("prompt") or ""
-        return self.engine.add_request(prompt, params)
+        return self.engine.add_request(prompt, params, final_only=final_only)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
