@@ -146,9 +146,9 @@ struct Linear {
 // of allocating ~10 tensors and views a layer (~1 us an ATen op on the 2-core Xeon, more
 // between the weight streams' cache misses). Layers run in turn, so one set serves them all.
 // Up to 64 rows (~1 MB of buffers at SmolLM2's sizes), not only the few-token steps it began
-// with: a batch-64 decode step's layers 54.6 -> 53.2 ms with the buffers, the same outputs
+// with: a batch-64 decode step's layers 54.4 -> 53.2 ms with the buffers, the same outputs
 // (Zen 4 EPYC, 2 threads, modes alternating every two steps in one engine; with the attention
-// items on steal_for as well 54.6 -> 51.8).
+// items on steal_for as well 54.6 -> 51.8 in another run).
 struct StepScratch {
   static constexpr int64_t kRowsMax = 64;
   int64_t t = -1, heads = 0, kv_heads = 0, head_dim = 0, hidden = 0, inter = 0;
