@@ -8,7 +8,9 @@ of the same weights), ``fastforward-codebook4`` (16 k-means levels a row),
 ``fastforward-int4-mix`` (our mixed 4/5/8-bit recipe) and ``fastforward-gguf`` (the shipped
 file's own blocks, kept packed) compare with ``llama.cpp-q4_1`` and ``llama.cpp-shipped`` (the
 shipped file as it is: Q4_1 for SmolLM2, Q4_K_M for Qwen2.5-Coder-0.5B); ``fastforward-kv8`` is
-the bf16 model with an int8 KV cache.
+the bf16 model with an int8 KV cache; ``fastforward-no-screen`` the bf16 model computing every
+greedy step's full logits (``greedy_screen=False``: what the int8 screen of the output projection
+gains, layers/greedy_screen.py).
 
 Usage::
 
@@ -17,6 +19,8 @@ Usage::
     python benchmarks/bench_cpu.py --engines fastforward hf-bf16 llama.cpp-bf16
     python benchmarks/bench_cpu.py --parts decode --rounds 5 \
         --engines fastforward fastforward-int4 llama.cpp-q4_1
+    python benchmarks/bench_cpu.py --parts decode --rounds 3 \
+        --engines fastforward fastforward-no-screen llama.cpp-bf16
     python benchmarks/bench_cpu.py --engines fastforward vllm --vllm-python ~/vllm-cpu/bin/python
     python benchmarks/bench_cpu.py --engines fastforward vllm --parts batched --temperature 0.8
     python benchmarks/bench_cpu.py --engines fastforward fastforward-int8 fastforward-int4 \
@@ -82,6 +86,7 @@ ENGINES = (
     "fastforward-int4-mix",  # our mixed 4/5/8-bit recipe (int4's bytes)
     "fastforward-gguf",  # the shipped Q4_1 file's own blocks on our 4-bit kernel
     "fastforward-kv8",  # bf16 weights, int8 KV cache (kv_cache_dtype="int8")
+    "fastforward-no-screen",  # bf16, greedy steps compute the full logits (greedy_screen=False)
     "hf-bf16",
     "hf-fp32",
     "llama.cpp-bf16",
@@ -199,13 +204,20 @@ def peak_rss_mib() -> float:
 # ------------------------------------------------------------------------------ engines
 
 
-def ff_engine(model: str, sz, quantization: str | None = None, kv_cache_dtype: str | None = None):
+def ff_engine(
+    model: str,
+    sz,
+    quantization: str | None = None,
+    kv_cache_dtype: str | None = None,
+    greedy_screen: bool = True,
+):
     from fastforward import LLM, SamplingParams
 
     llm = LLM(
         model,
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
+        greedy_screen=greedy_screen,
         max_num_seqs=64,
         max_model_len=sz["long"] + sz["long_new"] + 16,
         enable_prefix_caching=False,  # every run recomputes its prompts, as the peers do
@@ -217,6 +229,7 @@ def ff_engine(model: str, sz, quantization: str | None = None, kv_cache_dtype: s
         "quantization": quantization,
         "kv_cache_dtype": str(llm.engine.kv_dtype),
         "quantized_layers_on_native_kernels": len(llm.engine.kernels.quantized),
+        "greedy_screen": llm.engine.runner.greedy_screen is not None,
     }
 
     def generate(ps, n):
@@ -464,6 +477,8 @@ def worker(model: str, engine: str, workload_file: Path, model_dir: str) -> dict
         gen, info = ff_engine(model, sz)
     elif engine == "fastforward-kv8":
         gen, info = ff_engine(model, sz, kv_cache_dtype="int8")
+    elif engine == "fastforward-no-screen":
+        gen, info = ff_engine(model, sz, greedy_screen=False)
     elif engine.startswith("fastforward-"):
         gen, info = ff_engine(model, sz, engine.removeprefix("fastforward-"))
     elif engine.startswith("hf-"):

@@ -100,6 +100,11 @@ class EngineArgs:
     # in another (fastforward/huge_pages.py); False leaves both to PyTorch's allocator (to
     # measure what the pages gain).
     huge_pages: bool = True
+    # Steps of plain greedy picks (no logprobs, penalties or grammar) for up to a few sequences
+    # read an int8 copy of the output projection and compute in bf16 only the rows that could
+    # be the largest: the same tokens (fastforward/layers/greedy_screen.py); False: every step
+    # computes the full logits (to measure it), and no int8 copy is kept.
+    greedy_screen: bool = True
     # Speculative decoding (fastforward.spec_decode.config.SpeculativeConfig, a dict of its
     # fields or their JSON): {"method": "ngram" | "draft_model" | "layer_skip",
     # "num_speculative_tokens": k, "model": draft, ...}; None: off.
@@ -167,7 +172,12 @@ class LLMEngine:
             ),
         )
         self.runner = ModelRunner(
-            self.model, self.kv_config, self.device, args.fused_layers, args.huge_pages
+            self.model,
+            self.kv_config,
+            self.device,
+            args.fused_layers,
+            args.huge_pages,
+            args.greedy_screen,
         )
         trim_heap()  # start-up's freed temporaries (heap.py)
         # a function of the tokenizer alone: a bound method would make a reference cycle
@@ -248,8 +258,13 @@ class LLMEngine:
             + self.args.max_num_seqs * per_seq
         )
         kv_config = make_kv_cache_config(specs, num_blocks=num_blocks)
-        runner = ModelRunner(
-            loaded.model, kv_config, self.device, self.args.fused_layers, self.args.huge_pages
+        runner = ModelRunner(  # drafts read logits (their probabilities): no greedy screen
+            loaded.model,
+            kv_config,
+            self.device,
+            self.args.fused_layers,
+            self.args.huge_pages,
+            greedy_screen=False,
         )
         kv = KVCacheManager(kv_config, enable_caching=False)
         return DraftModelProposer(runner, kv, self.sampler, self.args.max_num_batched_tokens)
@@ -391,7 +406,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         try:
-            result = self.runner.execute(sched)
+            result = self.runner.execute(sched, screen_greedy=True)
             with torch.inference_mode():  # the runner's logits are processed in place
                 sampled = self._sample(result)
         except Exception as e:  # never leave requests hanging on a failed step
@@ -436,6 +451,8 @@ class LLMEngine:
         """The tokens each request of the step gains: one sampled token, or for a request
         verifying drafts the accepted ones and one more."""
         reqs, ks = result.requests, result.num_spec
+        if result.tokens is not None:  # the greedy screen's picks (plain greedy requests)
+            return [[SampledToken(token_id=t)] for t in result.tokens.tolist()]
         if not any(ks):
             return [[t] for t in self.sampler(result.logits, reqs, owned=True)]
         starts = np.concatenate([[0], np.cumsum(np.asarray(ks) + 1)])

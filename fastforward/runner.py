@@ -21,7 +21,9 @@ from fastforward.huge_pages import (
 from fastforward.kernels.decoder import build_fused_decoder
 from fastforward.kv.quant import allocate_kv_cache, kv_cache_layout
 from fastforward.kv.spec import KVCacheConfig
+from fastforward.layers.greedy_screen import GreedyScreen, build_greedy_screen
 from fastforward.layers.logprobs import TokenLogprob, score_positions
+from fastforward.layers.sampler import plain_greedy
 from fastforward.request import Request
 from fastforward.scheduler_output import SchedulerOutput
 
@@ -50,12 +52,16 @@ class PromptScoring:
 
 @dataclass(slots=True)
 class StepResult:
-    logits: torch.Tensor  # [S, vocab] float32
+    # [S, vocab] float32; None where the greedy screen picked every token (``tokens``)
+    logits: torch.Tensor | None
     # Rows of logits in request order: 1 + num_spec[i] rows belong to requests[i].
     requests: list[Request]
     num_spec: list[int]
     # request id -> logprobs of the prompt tokens this step scored (prompt_logprobs requests)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # [S] int64: each request's token, where the greedy screen picked them (execute's
+    # screen_greedy): the argmax of the logits it did not compute
+    tokens: torch.Tensor | None = None
 
 
 def _no_huge_pages(device: torch.device) -> str:
@@ -111,12 +117,23 @@ class ModelRunner:
         device: torch.device,
         fused_layers: bool = True,
         huge_pages: bool = True,
+        greedy_screen: bool = True,
     ) -> None:
         self.model = model
         # The weights in 2 MiB pages (huge_pages.py), before anything keeps references to them
         self.huge_pages, self.huge_pages_reason = None, "huge_pages=False"
         if huge_pages:
             self.huge_pages, self.huge_pages_reason = _gather_weights(model, device)
+        # Plain greedy steps of a few rows read an int8 copy of the output projection
+        # (layers/greedy_screen.py; ``greedy_screen_reason`` says why there is none): built
+        # before the KV cache is touched, so its temporaries do not add to the peak, and in 2
+        # MiB pages where the weights are (single-stream decode 2-4% faster than in 4 KiB ones)
+        self.greedy_screen: GreedyScreen | None = None
+        self.greedy_screen_reason = "greedy_screen=False"
+        if greedy_screen:
+            self.greedy_screen, self.greedy_screen_reason = build_greedy_screen(model)
+            if self.greedy_screen is not None and self.huge_pages is not None:
+                _gather_weights(self.greedy_screen, device)
         self.kv_config = kv_config
         self.device = device
         spec = kv_config.groups[0].spec
@@ -201,12 +218,21 @@ class ModelRunner:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, layer_ids: Sequence[int] | None = None) -> StepResult:
+    def execute(
+        self,
+        sched: SchedulerOutput,
+        layer_ids: Sequence[int] | None = None,
+        screen_greedy: bool = False,
+    ) -> StepResult:
         """One forward pass over the scheduled tokens; ``layer_ids`` runs only those layers
-        (a self-speculative draft)."""
+        (a self-speculative draft). ``screen_greedy``: the caller takes ``StepResult.tokens``
+        in place of logits where every request's token is a plain greedy pick
+        (``sampler.plain_greedy``) and the greedy screen takes the step."""
         batch = self.prepare(sched)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, layer_ids)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        rows = hidden[batch.logits_indices]
+        tokens = self._screened(rows, batch) if screen_greedy else None
+        logits = None if tokens is not None else self.model.compute_logits(rows).float()
         prompt_lps = {}
         for ps in batch.prompt_scoring:
             rows = hidden[torch.tensor(ps.rows, device=hidden.device)]
@@ -216,7 +242,21 @@ class ModelRunner:
                 ps.targets,
                 ps.request.sampling_params.prompt_logprobs,
             )
-        return StepResult(logits.float(), batch.sample_requests, batch.num_spec, prompt_lps)
+        return StepResult(logits, batch.sample_requests, batch.num_spec, prompt_lps, tokens)
+
+    def _screened(self, rows: torch.Tensor, batch: BatchInputs) -> torch.Tensor | None:
+        """The greedy screen's tokens for the step's rows, or None where it does not take them
+        (a request that is no plain greedy pick, drafts to verify, too many rows, or a row the
+        screen leaves to the full projection)."""
+        screen = self.greedy_screen
+        if (
+            screen is None
+            or not screen.takes(rows.shape[0])
+            or any(batch.num_spec)
+            or not all(plain_greedy(r) for r in batch.sample_requests)
+        ):
+            return None
+        return screen(rows, self.model.lm_head.tiles)
 
 
 def _prompt_scoring(sched: SchedulerOutput, query_start: np.ndarray) -> list[PromptScoring]:

@@ -109,6 +109,14 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         "of 2 MiB pages (Linux; to measure what the pages gain)",
     )
     g.add_argument(
+        "--no-greedy-screen",
+        dest="greedy_screen",
+        action="store_false",
+        help="compute the full logits for every step instead of picking plain greedy tokens of "
+        "up to 8 sequences through an int8 copy of the output projection (the same tokens; "
+        "to measure what the screen gains, and to save the copy's memory)",
+    )
+    g.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
@@ -197,6 +205,7 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=ns.enable_prefix_caching,
         fused_layers=ns.fused_layers,
         huge_pages=ns.huge_pages,
+        greedy_screen=ns.greedy_screen,
         kernels=ns.kernels,
         speculative_config=ns.speculative_config,
     )

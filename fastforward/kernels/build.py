@@ -37,6 +37,7 @@ SOURCES = (
     "attention_amx.cpp",
     "attention_prompt.cpp",
     "elementwise.cpp",
+    "greedy_screen.cpp",
     "decoder.cpp",
     "ops.cpp",
 )

@@ -34,6 +34,7 @@ import torch
 
 from fastforward.layers.dry import DryPenalty
 from fastforward.request import Request
+from fastforward.sampling_params import SamplingParams
 from fastforward.structured_outputs import GrammarCompiler, apply_grammar_masks
 
 # Temperatures below this are treated as greedy (dividing by them would overflow); as vLLM.
@@ -297,13 +298,27 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
 
 
 def _penalized_rows(requests: list[Request]) -> list[int]:
-    return [
-        i
-        for i, r in enumerate(requests)
-        if r.sampling_params.repetition_penalty != 1.0
-        or r.sampling_params.frequency_penalty != 0.0
-        or r.sampling_params.presence_penalty != 0.0
-    ]
+    return [i for i, r in enumerate(requests) if _penalized(r.sampling_params)]
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def plain_greedy(request: Request) -> bool:
+    """Whether the sampler picks this request's next token as the plain argmax of the model's
+    logits (``Sampler.__call__`` with nothing in its way): greedy, no logprobs, no grammar
+    mask, no penalty, no DRY, and ``min_tokens`` already reached. Such a token needs only the
+    argmax, not the logits (``layers/greedy_screen.py``). Keep in step with ``__call__``."""
+    p = request.sampling_params
+    return (
+        p.temperature < _GREEDY_EPS
+        and p.logprobs is None
+        and request.grammar is None
+        and not _penalized(p)
+        and not (p.dry_multiplier > 0 and p.dry_penalty_last_n != 0)
+        and request.num_output_tokens >= p.min_tokens
+    )
 
 
 def _in_vocab(ids: Sequence[int], vocab: int) -> np.ndarray:

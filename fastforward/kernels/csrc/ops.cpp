@@ -59,6 +59,11 @@ TORCH_LIBRARY(fastforward, m) {
       &ff::add_rms_norm_);
   m.def("gated_act(Tensor x, bool gelu) -> Tensor", &ff::gated_act);
   m.def("argmax_rows(Tensor x) -> Tensor", &ff::argmax_rows);
+  m.def("greedy_screen_native() -> bool", &ff::greedy_screen_native);
+  m.def("greedy_screen_pack(Tensor w) -> Tensor[]", &ff::greedy_screen_pack);
+  m.def(
+      "greedy_screen(Tensor x, Tensor[] screen, Tensor tiles, int N, int max_candidates) -> Tensor",
+      &ff::greedy_screen);
   m.def("sample_logits(Tensor logits, Tensor u) -> Tensor", &ff::sample_logits);
   m.def("top_p_filter_(Tensor(a!) logits, Tensor top_p) -> Tensor", &ff::top_p_filter_);
   m.def("mask_below_(Tensor(a!) x, Tensor threshold) -> ()", &ff::mask_below_);

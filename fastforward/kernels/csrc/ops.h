@@ -30,6 +30,12 @@ at::Tensor gated_act(const at::Tensor& x, bool gelu);
 void gated_act_out(const at::Tensor& x, bool gelu, at::Tensor& out);
 // Each row's first NaN, else its first maximum: torch.max(x, dim=-1).indices for fp32 [R, V].
 at::Tensor argmax_rows(const at::Tensor& x);
+// The greedy token of a few rows of the output projection from its int8 copy (greedy_screen.cpp):
+// -1 for a row the screen leaves to the full projection.
+bool greedy_screen_native();
+std::vector<at::Tensor> greedy_screen_pack(const at::Tensor& w);
+at::Tensor greedy_screen(const at::Tensor& x, const std::vector<at::Tensor>& screen,
+                         const at::Tensor& tiles, int64_t N, int64_t max_candidates);
 // Each row's token for a uniform in [0, 1), sampled from softmax of fp32 logits [R, V] by
 // inverse CDF (-1: no finite positive mass).
 at::Tensor sample_logits(const at::Tensor& logits, const at::Tensor& u);
