@@ -638,9 +638,17 @@ def limits_line(ff: dict[str, Any], sz: dict[str, Any], limits: dict[str, float]
     """fastforward's bf16 figures as shares of this machine's limits (the parts measured)."""
     said = []
     if "decode_tok_s" in ff:
-        said.append(
-            f"decode = {ff['decode_tok_s'] / limits['decode_limit_tok_s']:.0%} of the bandwidth limit"
-        )
+        line = f"decode = {ff['decode_tok_s'] / limits['decode_limit_tok_s']:.0%} of the bandwidth limit"
+        if ff.get("info", {}).get("greedy_screen") and not sz["sampling"].get("temperature"):
+            # greedy steps read the output matrix's int8 copy (half its bf16 bytes) instead
+            params, head = limits["params_per_token"], limits["head_params"]
+            screened = limits["bandwidth_gb_s"] * 1e9 / (2 * (params - head) + head)
+            line += (
+                f" (whose bf16 bytes count the output matrix; the greedy screen reads its int8 "
+                f"copy instead, a limit of {screened:.0f} tok/s: "
+                f"{ff['decode_tok_s'] / screened:.0%} of it)"
+            )
+        said.append(line)
     if sz["batches"]:
         top = max(sz["batches"])
         got = ff["batched_tok_s"][str(top)]

@@ -14,8 +14,9 @@ engine's parts, then prints:
   along, seconds) and the decode-only steps (count, median and total seconds);
 * a decode-only step of the full batch taken apart (medians over those steps, ms): scheduling,
   batch preparation, the model (embedding, the decoder layers -- the fused C++ stack or the
-  module path -- and the final norm), the output projection, sampling, the scheduler's update,
-  and the rest of the engine's step (outputs, detokenizing, stop checks).
+  module path -- and the final norm), the output projection (the full logits, or for steps of
+  plain greedy picks its int8 greedy screen, ``layers/greedy_screen.py``), sampling, the
+  scheduler's update, and the rest of the engine's step (outputs, detokenizing, stop checks).
 
 The timers wrap the engine's own methods on this one engine object (nothing else changes);
 a wrapped call costs ~1 us, against steps of milliseconds. Timings on shared VMs move 10-30%
@@ -37,7 +38,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-PARTS = ("schedule", "prepare", "stack", "head", "sample", "update")
+PARTS = ("schedule", "prepare", "stack", "head", "screen", "sample", "update")
 
 
 def timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -63,6 +64,7 @@ def instrument(engine) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
     engine.scheduler.update = timed(times["update"], engine.scheduler.update)
     runner.prepare = timed(times["prepare"], runner.prepare)
     model.compute_logits = timed(times["head"], model.compute_logits)
+    runner._screened = timed(times["screen"], runner._screened)  # greedy steps' int8 screen
     engine._sample = timed(times["sample"], engine._sample)
     model.forward = timed(times["stack"], model.forward)
     execute = runner.execute
@@ -129,7 +131,8 @@ def report(s: dict[str, Any]) -> str:
             "schedule": "scheduling",
             "prepare": "batch preparation",
             "stack": "model (embedding, layers, norm)",
-            "head": "output projection",
+            "head": "output projection (logits)",
+            "screen": "output projection (greedy screen)",
             "sample": "sampling",
             "update": "scheduler update",
             "rest": "rest (outputs, detokenizing)",
