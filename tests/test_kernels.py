@@ -1329,7 +1329,8 @@ def test_engine_sampler_takes_the_kernel_argmax(tiny_model_dir, monkeypatch):
     from fastforward import LLM, SamplingParams
 
     directory, _ = tiny_model_dir("llama")
-    llm = LLM(str(directory), kernels="native", download_progress=False)
+    # the greedy screen would pick these two rows' tokens without logits (test_greedy_screen.py)
+    llm = LLM(str(directory), kernels="native", greedy_screen=False, download_progress=False)
     calls = []
     original = llm.engine.sampler._argmax
     monkeypatch.setattr(
