@@ -112,9 +112,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         "--no-greedy-screen",
         dest="greedy_screen",
         action="store_false",
-        help="compute the full logits for every step instead of picking plain greedy tokens of "
-        "up to 8 sequences through an int8 copy of the output projection (the same tokens; "
-        "to measure what the screen gains, and to save the copy's memory)",
+        help="compute the full logits for every step instead of picking the plain greedy "
+        "tokens of one or two sequences through an int8 copy of the output projection (the "
+        "same tokens; to measure what the screen gains, and to save the copy's memory)",
     )
     g.add_argument(
         "--no-prefix-caching",

@@ -23,9 +23,9 @@ from torch import nn
 from fastforward import kernels
 from fastforward.kernels.linear import PackedLinear
 
-# rows (sequences) a screened step may have: decode of a few sequences, where the projection is
-# read from memory once a step (larger batches are compute-bound, and the int8 estimate's FMAs
-# cost as much as the bf16 products it saves)
+# rows (sequences) a screened step may have: decode of one or two sequences, where the
+# projection is read from memory once a step (at 4 rows the int8 estimate's two vpdpbusd a row
+# per 64 codes cost as much as the bf16 products they save: docs/cpu.md)
 SCREEN_ROWS_MAX = 2
 # rows left to the full projection when more than this many could hold the maximum
 MAX_CANDIDATES = 512
@@ -34,8 +34,8 @@ PACKED = ("codes", "rowsum", "scales", "radius", "qnorm")
 
 
 class GreedyScreen(nn.Module):
-    """An output projection's int8 copy (codes in blocks of 16 rows, a scale and a radius per
-    row) and the bf16 tiles the full projection multiplies."""
+    """An output projection's int8 copy: codes in blocks of 16 rows, and per row the codes'
+    sum, a scale, a radius and the copy's norm (the bf16 tiles come with each call)."""
 
     def __init__(self, head: PackedLinear, rows_max: int) -> None:
         super().__init__()
