@@ -41,7 +41,16 @@ SOURCES = (
     "decoder.cpp",
     "ops.cpp",
 )
-HEADERS = ("vec.h", "ops.h", "amx.h", "int16_rows.h", "parallel.h", "expand.h", "prompts.h")
+HEADERS = (
+    "vec.h",
+    "ops.h",
+    "amx.h",
+    "bf16_tiles.h",
+    "int16_rows.h",
+    "parallel.h",
+    "expand.h",
+    "prompts.h",
+)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-DNDEBUG")
 CSRC = Path(__file__).parent / "csrc"
 

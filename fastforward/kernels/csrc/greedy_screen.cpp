@@ -32,6 +32,7 @@
 #include <limits>
 #include <vector>
 
+#include "bf16_tiles.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -43,9 +44,9 @@
 namespace ff {
 namespace {
 
-constexpr int64_t TN = 16;  // output rows per block (linear_amx's B tile width)
-constexpr int64_t TK = 32;  // K per tile row of linear_amx's layout
-constexpr int64_t TILE = 512;
+using bf16_tiles::TILE;
+using bf16_tiles::TK;  // K per tile row of linear_amx's layout
+using bf16_tiles::TN;  // output rows per block (linear_amx's B tile width)
 constexpr int64_t kRowsMax = 8;
 
 #ifdef FF_SCREEN
@@ -111,18 +112,6 @@ void estimate_range(const uint32_t* xh, const uint32_t* xl, int64_t M, int64_t K
   for (; b < b1; ++b) estimate_blocks<1>(xh, xl, M, Kq, codes, rowsum, scales, sx, b, a, lda);
 }
 
-// The 16 logits of block b exactly as linear_amx computes them (one_row; dp_rows' sums are the
-// same sequential chain over the K pairs): x's K pairs xq against the block's tile rows.
-__m512 exact_block(const uint32_t* xq, const uint16_t* tiles, int64_t kc, int64_t b) {
-  const int64_t pairs = kc * TK / 2;
-  const uint16_t* w = tiles + b * kc * TILE;
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t j = 0; j < pairs; ++j) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * 2 * TN);
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(int(xq[j])), wv);
-  }
-  return _mm512_add_ps(acc, _mm512_setzero_ps());  // one_row adds the (zero) bias
-}
 #endif
 
 }  // namespace
@@ -219,7 +208,7 @@ at::Tensor greedy_screen(const at::Tensor& x, const std::vector<at::Tensor>& scr
   // the bf16 values the full projection multiplies: as floats, and as K pairs (padded to Kp)
   const auto xb = x.to(at::kBFloat16).contiguous();
   const auto xf = xb.to(at::kFloat).contiguous();
-  const auto xpairs = at::constant_pad_nd(xb, {0, kc * TK - K}).contiguous();
+  const auto xpairs = bf16_tiles::dp_pairs(xb, kc * TK);
   const float* xp = xf.data_ptr<float>();
   // x^ = sx (hi + lo / 256) as u8 + 128 (K padded with 128: zero); its error's and x's norms
   std::vector<uint8_t> qh(M * Kq * 4, 128), ql(M * Kq * 4, 128);
@@ -308,7 +297,10 @@ at::Tensor greedy_screen(const at::Tensor& x, const std::vector<at::Tensor>& scr
     for (const int64_t i : cand) {
       if (i / TN != block) {
         block = i / TN;
-        _mm512_store_ps(exact, exact_block(xq + m * kc * TK / 2, tw, kc, block));
+        // the block's logits as linear_amx computes them (one_row adds the zero bias)
+        const __m512 sums = bf16_tiles::block_sums(xq + m * kc * TK / 2, tw + block * kc * TILE,
+                                                   kc * TK / 2);
+        _mm512_store_ps(exact, _mm512_add_ps(sums, _mm512_setzero_ps()));
       }
       const float v = exact[i % TN];
       if (std::isnan(v)) {

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "bf16_tiles.h"
 #include "parallel.h"
 #include "ops.h"
 #include "vec.h"
@@ -37,11 +38,12 @@
 namespace ff {
 namespace {
 
-constexpr int64_t TN = 16;    // output features per B tile
-constexpr int64_t TK = 32;    // bf16 of K per tile row
+using bf16_tiles::dp_pairs;
+using bf16_tiles::TILE;  // bf16 elements of one tile
+using bf16_tiles::TK;    // bf16 of K per tile row
+using bf16_tiles::TN;    // output features per B tile
 constexpr int64_t TM = 16;    // rows per A / C tile
 constexpr int64_t MC = 4;     // row tiles per pass over the weight: 64 rows
-constexpr int64_t TILE = 512; // bf16 elements of one tile
 constexpr int64_t GROUP_BYTES = 256 << 10;  // weight blocks kept in L2 across row chunks
 
 #ifdef FF_AMX
@@ -138,22 +140,18 @@ void one_row(const uint16_t* x, const uint16_t* wp, int64_t kc, int64_t b0, int6
              const float* bias, int64_t N, OT* y) {
   const auto* xq = reinterpret_cast<const uint32_t*>(x);  // x's K pairs
   const int64_t pairs = kc * TK / 2, bstride = kc * TILE;
-  auto dp = [&](__m512 acc, const uint16_t* w, int64_t j) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * 2 * TN);
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(int(xq[j])), wv);
-  };
   for (int64_t bb = b0; bb < b1; bb += kRowBlocks) {
     const int nbk = int(std::min<int64_t>(kRowBlocks, b1 - bb));
     const uint16_t* w = wp + bb * bstride;
     __m512 acc[kRowBlocks];
     for (int u = 0; u < kRowBlocks; ++u) acc[u] = _mm512_setzero_ps();
-    if (nbk == kRowBlocks) {  // the blocks side by side
+    if (nbk == kRowBlocks) {  // the blocks side by side, each block_sums' chain
       for (int64_t j = 0; j < pairs; ++j)
 #pragma GCC unroll 4
-        for (int u = 0; u < kRowBlocks; ++u) acc[u] = dp(acc[u], w + u * bstride, j);
-    } else {  // a short last run, block by block (the same sums)
-      for (int u = 0; u < nbk; ++u)
-        for (int64_t j = 0; j < pairs; ++j) acc[u] = dp(acc[u], w + u * bstride, j);
+        for (int u = 0; u < kRowBlocks; ++u)
+          acc[u] = bf16_tiles::dp_pair(acc[u], xq, w + u * bstride, j);
+    } else {  // a short last run, block by block
+      for (int u = 0; u < nbk; ++u) acc[u] = bf16_tiles::block_sums(xq, w + u * bstride, pairs);
     }
     for (int u = 0; u < nbk; ++u) {
       const int64_t b = bb + u;
@@ -277,14 +275,6 @@ void dp_group(const uint16_t* x, int64_t ldx, int64_t m0, int64_t m1, const uint
                           y + m * N, nullptr, 0);
     }
   }
-}
-
-// x2 [M, K] as dp_rows reads it: bf16, contiguous, K pairs side by side (an odd K padded with a
-// zero; to pad_to where given, as one_row's whole tiles want).
-at::Tensor dp_pairs(const at::Tensor& x2, int64_t pad_to = 0) {
-  const int64_t K = x2.size(1), ldx = pad_to ? pad_to : (K + 1) / 2 * 2;
-  at::Tensor xb = x2.to(at::kBFloat16).contiguous();
-  return ldx == K ? xb : at::constant_pad_nd(xb, {0, ldx - K});
 }
 
 // y [M, N] = x [M, ldx] (K pairs side by side, K padded to even) @ W^T on the tiles: threads
