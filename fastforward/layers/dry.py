@@ -75,6 +75,11 @@ class DryPenalty:
             self._masks[key] = mask
         return mask
 
+    @staticmethod
+    def applies(p) -> bool:
+        """Whether DRY can change a request's logits (``p``: its sampling params)."""
+        return p.dry_multiplier > 0 and p.dry_penalty_last_n != 0
+
     def __call__(self, logits: torch.Tensor, requests: Sequence) -> None:
         """In place on ``logits [B, V]``; ``requests[i]`` has ``sampling_params``,
         ``prompt_token_ids`` and ``output_token_ids``."""
@@ -82,7 +87,7 @@ class DryPenalty:
         vocab = logits.shape[1]
         for i, r in enumerate(requests):
             p = r.sampling_params
-            if p.dry_multiplier <= 0 or p.dry_penalty_last_n == 0:
+            if not self.applies(p):
                 continue
             ctx = np.asarray(list(r.prompt_token_ids) + list(r.output_token_ids), dtype=np.int64)
             if p.dry_penalty_last_n > 0:

@@ -316,9 +316,14 @@ def plain_greedy(request: Request) -> bool:
         and p.logprobs is None
         and request.grammar is None
         and not _penalized(p)
-        and not (p.dry_multiplier > 0 and p.dry_penalty_last_n != 0)
-        and request.num_output_tokens >= p.min_tokens
+        and not DryPenalty.applies(p)
+        and not _min_tokens_pending(request)
     )
+
+
+def _min_tokens_pending(r: Request) -> bool:
+    """Whether ``apply_min_tokens`` still masks the request's stop tokens."""
+    return r.num_output_tokens < r.sampling_params.min_tokens
 
 
 def _in_vocab(ids: Sequence[int], vocab: int) -> np.ndarray:
@@ -367,7 +372,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
     vocab = logits.shape[1]
     for i, r in enumerate(requests):
         p = r.sampling_params
-        if r.num_output_tokens >= p.min_tokens:
+        if not _min_tokens_pending(r):
             continue
         stops = set(p.stop_token_ids)
         if r.eos_token_id is not None and not p.ignore_eos:
